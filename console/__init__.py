@@ -1,0 +1,1 @@
+"""The eagleops console (Textual) and command line."""

@@ -1,0 +1,136 @@
+"""``eagleops``: the command line. Textual is imported only when a TUI is really opened."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from pipeline.config import ConfigError, load_run, parse_tokens
+from pipeline.control import ControlClient, ControlError, find_sockets, runtime_dir
+from pipeline.engine import EngineError
+from pipeline.events import DatasetProgress, Kill, Pause, Resume, SetBudget
+from pipeline.report import format_event, json_line, status_line
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagleops", description="Train EAGLE-3 drafters: generate, watch, steer.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add_view_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--no-tui", action="store_true", help="headless: print status lines (for nohup/CI)")
+        p.add_argument("--json", action="store_true", help="headless, one JSON event per line")
+
+    run = sub.add_parser("run", help="run the pipeline described by a run file")
+    run.add_argument("run_file", type=Path)
+    add_view_flags(run)
+
+    demo = sub.add_parser("demo", help="offline end-to-end run on a tiny local model")
+    demo.add_argument("--dir", type=Path, default=Path("eagleops-demo"), help="where the demo keeps its files")
+    add_view_flags(demo)
+
+    def add_socket(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--socket", type=Path, help="control socket of the run (default: the one running)")
+
+    status = sub.add_parser("status", help="show a running engine's datasets")
+    status.add_argument("--json", action="store_true")
+    add_socket(status)
+    for name, what in (("pause", "stop issuing requests (in-flight finish)"), ("resume", "resume issuing"), ("kill", "cancel in-flight requests and stop")):
+        p = sub.add_parser(name, help=f"{what}; one dataset or all")
+        p.add_argument("dataset", nargs="?")
+        add_socket(p)
+    budget = sub.add_parser("budget", help="change a dataset's token budget live (10M, 500k, 12000)")
+    budget.add_argument("dataset")
+    budget.add_argument("tokens")
+    add_socket(budget)
+    return parser
+
+
+def _die(message: str, code: int = 1) -> int:
+    print(f"eagleops: {message}", file=sys.stderr)
+    return code
+
+
+def _socket(explicit: Path | None) -> Path:
+    if explicit is not None:
+        return explicit
+    if env := os.environ.get("EAGLEOPS_SOCKET"):
+        return Path(env)
+    live = find_sockets()
+    if not live:
+        raise ControlError(f"no running eagleops engine found in {runtime_dir()} (start one with `eagleops run RUN.toml --no-tui`)")
+    if len(live) > 1:
+        names = "\n  ".join(str(p) for p in live)
+        raise ControlError(f"several engines are running; choose one with --socket:\n  {names}")
+    return live[0]
+
+
+async def _remote(args: argparse.Namespace) -> int:
+    client = ControlClient(_socket(args.socket))
+    try:
+        if args.command == "status":
+            events = await client.status()
+            if args.json:
+                for event in events:
+                    print(json_line(event))
+                return 0
+            for event in events:
+                if isinstance(event, DatasetProgress):
+                    print(status_line(event))
+                elif event.kind in ("stage", "endpoint") and (line := format_event(event)):
+                    print(line)
+            return 0
+        if args.command == "budget":
+            try:
+                tokens = parse_tokens(args.tokens)
+            except ValueError as exc:
+                return _die(str(exc), EXIT_USAGE)
+            command = SetBudget(args.dataset, tokens)
+        else:
+            command = {"pause": Pause, "resume": Resume, "kill": Kill}[args.command](args.dataset)
+        ack = await client.send(command)
+        print(ack.message)
+        return 0 if ack.ok else 1
+    finally:
+        await client.close()
+
+
+def _run(config, args: argparse.Namespace) -> int:
+    from pipeline.headless import run_headless
+
+    if not (args.no_tui or args.json):
+        try:
+            from console.app import run_console  # noqa: F401 - the TUI lands with its own issue
+        except ImportError:
+            print("eagleops: the console is not built yet; running headless (--no-tui)", file=sys.stderr)
+        else:
+            return asyncio.run(run_console(config))
+    return asyncio.run(run_headless(config, as_json=args.json))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(load_run(args.run_file), args)
+        if args.command == "demo":
+            from pipeline.demo import prepare_demo
+
+            run_file = prepare_demo(args.dir, log=lambda m: print(m, file=sys.stderr, flush=True))
+            with run_file.server() as _:
+                return _run(load_run(run_file.path), args)
+        return asyncio.run(_remote(args))
+    except ConfigError as exc:
+        return _die(str(exc), EXIT_USAGE)
+    except (EngineError, ControlError) as exc:
+        return _die(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

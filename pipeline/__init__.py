@@ -1,0 +1,1 @@
+"""The eagleops pipeline engine: no UI imports here (checked by tests/test_layering.py)."""

@@ -1,0 +1,314 @@
+"""OpenAI-compatible chat client: load-balanced endpoints, retries with backoff, usage accounting.
+
+Works against SGLang, vLLM, OpenRouter and ``transformers serve`` (all speak
+``POST /v1/chat/completions``). Cancelling a call closes its connection, so the server sees the
+client go away and stops generating (both SGLang and vLLM abort on disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from .config import EndpointConfig, RetryConfig, SamplingConfig
+
+__all__ = [
+    "ChatClient",
+    "Completion",
+    "EndpointPool",
+    "PermanentFailure",
+    "RateMeter",
+    "TokenCounter",
+    "retry_after_seconds",
+]
+
+_RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524}
+
+
+class PermanentFailure(Exception):
+    """The record cannot be completed: recorded in failed.jsonl with this reason."""
+
+    def __init__(self, reason: str, attempts: int):
+        super().__init__(reason)
+        self.reason, self.attempts = reason, attempts
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, retry_after: float | None = None):
+        super().__init__(reason)
+        self.reason, self.retry_after = reason, retry_after
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    finish_reason: str
+    prompt_tokens: int | None
+    completion_tokens: int
+    usage_source: str  # "server" | "tokenizer" | "estimate"
+    endpoint: str
+    latency_s: float
+    attempts: int
+    cost: float | None = None
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """Retry-After is either delta-seconds or an HTTP date."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+        return max(0.0, seconds) if math.isfinite(seconds) else None
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - (now if now is not None else time.time()))
+
+
+class RateMeter:
+    """Events and amounts per second over a sliding window."""
+
+    def __init__(self, window_s: float = 30.0, clock=time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self._events: deque[tuple[float, float]] = deque()
+        self._sum = 0.0
+        self.started = clock()
+
+    def add(self, amount: float = 0.0) -> None:
+        self._events.append((self.clock(), amount))
+        self._sum += amount
+        self._trim()
+
+    def _trim(self) -> None:
+        cutoff = self.clock() - self.window_s
+        while self._events and self._events[0][0] < cutoff:
+            self._sum -= self._events.popleft()[1]
+
+    def rates(self) -> tuple[float, float]:
+        self._trim()
+        span = min(self.window_s, max(1e-9, self.clock() - self.started))
+        return len(self._events) / span, self._sum / span
+
+
+class _EndpointState:
+    __slots__ = ("config", "in_flight", "requests", "errors", "latencies", "meter", "key", "url")
+
+    def __init__(self, config: EndpointConfig):
+        self.config = config
+        self.url = f"{config.base_url}/chat/completions"
+        self.key = config.api_key()
+        self.in_flight = 0
+        self.requests = 0
+        self.errors = 0
+        self.latencies: deque[float] = deque(maxlen=512)
+        self.meter = RateMeter()
+
+    def has_room(self) -> bool:
+        cap = self.config.max_concurrency
+        return cap is None or self.in_flight < cap
+
+
+class EndpointPool:
+    """Least-in-flight choice among endpoints, honouring each one's own concurrency cap."""
+
+    def __init__(self, endpoints: tuple[EndpointConfig, ...]):
+        self.endpoints = [_EndpointState(ep) for ep in endpoints]
+        self._room = asyncio.Event()
+        self._turn = 0
+
+    async def acquire(self) -> _EndpointState:
+        while True:
+            open_ = [ep for ep in self.endpoints if ep.has_room()]
+            if open_:
+                least = min(ep.in_flight for ep in open_)
+                ties = [ep for ep in open_ if ep.in_flight == least]
+                self._turn += 1
+                chosen = ties[self._turn % len(ties)]
+                chosen.in_flight += 1
+                return chosen
+            self._room.clear()
+            await self._room.wait()
+
+    def release(self, endpoint: _EndpointState) -> None:
+        """Synchronous, so it also runs inside a cancelled task's cleanup."""
+        endpoint.in_flight -= 1
+        self._room.set()
+
+
+class TokenCounter:
+    """Counts completion tokens locally when a server reports no usage."""
+
+    def __init__(self, tokenizer_path: Path | None):
+        self.path = tokenizer_path
+        self._tokenizer: Any = None
+
+    @property
+    def available(self) -> bool:
+        return self.path is not None
+
+    def _load(self) -> Any:
+        if self._tokenizer is None:
+            path = self.path
+            assert path is not None
+            if path.is_file():
+                from tokenizers import Tokenizer
+
+                tok = Tokenizer.from_file(str(path))
+                self._tokenizer = lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+            else:
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(str(path))
+                self._tokenizer = lambda text: len(tok.encode(text, add_special_tokens=False))
+        return self._tokenizer
+
+    def count(self, text: str) -> int:
+        """Blocking (tokenizer load + encode): call through asyncio.to_thread."""
+        return self._load()(text)
+
+
+def estimate_tokens(text: str) -> int:
+    return max(1, math.ceil(len(text) / 4)) if text else 0
+
+
+class ChatClient:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        pool: EndpointPool,
+        sampling: SamplingConfig,
+        retry: RetryConfig,
+        counter: TokenCounter,
+        *,
+        rng: random.Random | None = None,
+    ):
+        self.session, self.pool, self.sampling, self.retry, self.counter = session, pool, sampling, retry, counter
+        self.rng = rng or random.Random()
+        self._timeout = aiohttp.ClientTimeout(total=retry.timeout_s, sock_connect=min(30.0, retry.timeout_s))
+        self.on_retry = None  # callable(reason: str, delay: float) for logging
+
+    def _body(self, endpoint: _EndpointState, messages: tuple[dict[str, str], ...]) -> bytes:
+        body = {
+            "model": endpoint.config.model,
+            "messages": list(messages),
+            "max_tokens": self.sampling.max_tokens,
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "stream": False,
+            **self.sampling.extra,
+        }
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+    def backoff(self, attempt: int, retry_after: float | None) -> float:
+        ceiling = min(self.retry.max_delay_s, self.retry.base_delay_s * (2 ** (attempt - 1)))
+        delay = self.rng.uniform(0.0, ceiling)  # full jitter: retries of a burst spread out
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, max(self.retry.max_delay_s, retry_after)))
+        return delay
+
+    async def complete(self, messages: tuple[dict[str, str], ...]) -> Completion:
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            endpoint = await self.pool.acquire()
+            try:
+                result = await self._attempt(endpoint, messages)
+                break
+            except _Retryable as exc:
+                endpoint.errors += 1
+                if attempt >= self.retry.max_attempts:
+                    raise PermanentFailure(f"{exc.reason} (gave up after {attempt} attempts)", attempt) from None
+                delay = self.backoff(attempt, exc.retry_after)
+                if self.on_retry is not None:
+                    self.on_retry(f"{endpoint.config.label}: {exc.reason}", delay)
+            except PermanentFailure as exc:
+                endpoint.errors += 1
+                raise PermanentFailure(exc.reason, attempt) from None
+            finally:
+                self.pool.release(endpoint)
+            await asyncio.sleep(delay)
+        text, finish, prompt_tokens, completion_tokens, cost = result
+        source = "server"
+        if completion_tokens is None:
+            if self.counter.available:
+                completion_tokens = await asyncio.to_thread(self.counter.count, text)
+                source = "tokenizer"
+            else:
+                completion_tokens = estimate_tokens(text)
+                source = "estimate"
+        return Completion(
+            text=text,
+            finish_reason=finish,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            usage_source=source,
+            endpoint=endpoint.config.label,
+            latency_s=time.monotonic() - started,
+            attempts=attempt,
+            cost=cost,
+        )
+
+    async def _attempt(self, endpoint: _EndpointState, messages: tuple[dict[str, str], ...]):
+        headers = {"Content-Type": "application/json"}
+        if endpoint.key:
+            headers["Authorization"] = f"Bearer {endpoint.key}"
+        sent = time.monotonic()
+        response = None
+        try:
+            response = await self.session.post(endpoint.url, data=self._body(endpoint, messages), headers=headers, timeout=self._timeout)
+            raw = await response.read()
+        except asyncio.TimeoutError:
+            raise _Retryable(f"timed out after {self.retry.timeout_s:g}s") from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise _Retryable(f"connection error: {type(exc).__name__}: {exc}") from None
+        except BaseException:
+            if response is not None:
+                response.close()  # cancelled: drop the connection so the server stops generating
+            raise
+        finally:
+            if response is not None:
+                response.release()
+        status = response.status
+        if status != 200:
+            snippet = raw[:300].decode("utf-8", "replace").strip()
+            reason = f"HTTP {status}: {snippet}" if snippet else f"HTTP {status}"
+            if status in _RETRY_STATUS:
+                raise _Retryable(reason, retry_after_seconds(response.headers.get("Retry-After")))
+            raise PermanentFailure(reason, 1)
+        try:
+            payload = json.loads(raw)
+            choice = payload["choices"][0]
+            text = choice["message"]["content"]
+            if text is None:
+                text = ""
+            if not isinstance(text, str):
+                raise TypeError("content is not a string")
+            finish = choice.get("finish_reason") or "unknown"
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise _Retryable(f"malformed response ({type(exc).__name__}: {str(exc)[:80]})") from None
+        usage = payload.get("usage") or {}
+        completion_tokens = usage.get("completion_tokens")
+        if not isinstance(completion_tokens, int) or isinstance(completion_tokens, bool) or completion_tokens < 0:
+            completion_tokens = None
+        prompt_tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
+        cost = usage.get("cost") if isinstance(usage.get("cost"), (int, float)) else None
+        latency = time.monotonic() - sent
+        endpoint.requests += 1
+        endpoint.latencies.append(latency)
+        endpoint.meter.add(completion_tokens or 0)
+        return text, finish, prompt_tokens, completion_tokens, cost

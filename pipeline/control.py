@@ -1,0 +1,209 @@
+"""The engine's command API on a local Unix socket (mode 0600), one JSON object per line.
+
+Requests: ``{"cmd": "pause"|"resume"|"kill"|"budget", "dataset": ..., "tokens": ...}`` -> an
+Ack; ``{"cmd": "status"}`` -> ``{"ok": true, "events": [...]}`` (the current snapshot);
+``{"cmd": "subscribe"}`` -> the snapshot, then every event as it happens, until either side
+closes. A TUI attaches with ``subscribe`` on one connection and sends commands on another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .events import Ack, Command, Event, command_from_json, event_from_json
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["ControlClient", "ControlServer", "ControlError", "find_sockets", "runtime_dir", "socket_path_for"]
+
+_LIMIT = 1 << 20
+
+
+class ControlError(RuntimeError):
+    pass
+
+
+def runtime_dir() -> Path:
+    base = os.environ.get("EAGLEOPS_RUNTIME_DIR") or f"/tmp/eagleops-{os.getuid()}"
+    return Path(base)
+
+
+def socket_path_for(run_name: str, output_dir: Path) -> Path:
+    # Unix socket paths are capped near 108 bytes, so the socket lives in a short runtime dir
+    # under a name derived from the output dir (the same run always gets the same socket).
+    digest = hashlib.blake2b(str(output_dir.resolve()).encode(), digest_size=4).hexdigest()
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_name)[:40]
+    return runtime_dir() / f"{safe}-{digest}.sock"
+
+
+def _is_live(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def find_sockets() -> list[Path]:
+    """Sockets of engines that answer, newest first."""
+    folder = runtime_dir()
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.glob("*.sock") if _is_live(p)]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+class ControlServer:
+    def __init__(self, engine: "Engine", path: Path):
+        self.engine, self.path = engine, path
+        self._server: asyncio.AbstractServer | None = None
+        self._streams: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        folder = self.path.parent
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = folder.stat()
+        if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+            os.chmod(folder, 0o700)
+        if self.path.exists():
+            if _is_live(self.path):
+                raise ControlError(f"{self.path}: another engine is already serving this run")
+            self.path.unlink()
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others can connect
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=_LIMIT)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._streams):
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._streams.add(task)
+        try:
+            while line := await reader.readline():
+                try:
+                    request = json.loads(line)
+                    if not isinstance(request, dict):
+                        raise ValueError("expected a JSON object")
+                except ValueError as exc:
+                    await _send(writer, {"ok": False, "message": f"bad request: {exc}"})
+                    continue
+                name = request.get("cmd")
+                if name == "subscribe":
+                    await self._stream(writer)
+                    return
+                if name == "status":
+                    await _send(writer, {"ok": True, "events": [e.to_json() for e in self.engine.snapshot()]})
+                    continue
+                try:
+                    command = command_from_json(request)
+                except ValueError as exc:
+                    await _send(writer, {"ok": False, "message": str(exc)})
+                    continue
+                ack = await self.engine.execute(command)
+                await _send(writer, ack.to_json())
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._streams.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _stream(self, writer: asyncio.StreamWriter) -> None:
+        subscription = self.engine.subscribe()
+        try:
+            async for event in subscription:
+                writer.write(_encode(event.to_json()))
+                await writer.drain()
+        finally:
+            subscription.close()
+
+
+def _encode(payload: dict[str, Any]) -> bytes:
+    return (json.dumps(payload, separators=(",", ":")) + "\n").encode()
+
+
+async def _send(writer: asyncio.StreamWriter, payload: dict[str, Any]) -> None:
+    writer.write(_encode(payload))
+    await writer.drain()
+
+
+class ControlClient:
+    """Talks to a running engine: one request/answer connection, plus ``events()`` streams."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._lock = asyncio.Lock()
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            return await asyncio.open_unix_connection(str(self.path), limit=_LIMIT)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise ControlError(f"{self.path}: no engine answers ({exc.strerror or exc})") from None
+
+    async def request(self, payload: dict[str, Any]) -> dict[str, Any]:
+        async with self._lock:
+            if self._writer is None:
+                self._reader, self._writer = await self._connect()
+            assert self._reader is not None
+            self._writer.write(_encode(payload))
+            await self._writer.drain()
+            line = await self._reader.readline()
+            if not line:
+                self._writer = None
+                raise ControlError(f"{self.path}: the engine closed the connection")
+            return json.loads(line)
+
+    async def send(self, command: Command) -> Ack:
+        answer = await self.request(command.to_json())
+        return Ack(bool(answer.get("ok")), str(answer.get("message", "")))
+
+    async def status(self) -> list[Event]:
+        answer = await self.request({"cmd": "status"})
+        return [event_from_json(e) for e in answer.get("events", [])]
+
+    async def events(self) -> AsyncIterator[Event]:
+        reader, writer = await self._connect()
+        try:
+            writer.write(_encode({"cmd": "subscribe"}))
+            await writer.drain()
+            while line := await reader.readline():
+                yield event_from_json(json.loads(line))
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+            self._writer = None

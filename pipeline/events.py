@@ -1,0 +1,212 @@
+"""Typed events out of the engine and typed commands into it.
+
+All are frozen dataclasses with a JSON form (``to_json``/``from_json``), so the console, the
+``--no-tui`` printer and a process attached over the control socket see exactly the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar
+
+__all__ = [
+    "Ack",
+    "Command",
+    "DatasetProgress",
+    "DatasetState",
+    "EndpointStats",
+    "Event",
+    "Kill",
+    "LogEvent",
+    "Pause",
+    "Resume",
+    "SetBudget",
+    "StageState",
+    "StageStatus",
+    "command_from_json",
+    "event_from_json",
+]
+
+
+class DatasetState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    DONE = "done"  # budget (or sample cap) reached, or the source exhausted
+    KILLED = "killed"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (DatasetState.DONE, DatasetState.KILLED, DatasetState.FAILED)
+
+
+class StageStatus(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    PAUSED = "paused"
+    DONE = "done"
+    KILLED = "killed"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: ClassVar[str] = "event"
+
+    def to_json(self) -> dict[str, Any]:
+        payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        payload["type"] = self.kind
+        return payload
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetProgress(Event):
+    kind: ClassVar[str] = "dataset"
+    name: str
+    state: DatasetState
+    tokens: int
+    budget: int
+    samples: int
+    in_flight: int = 0
+    failures: int = 0
+    bad_lines: int = 0
+    truncated: int = 0
+    max_samples: int | None = None
+    req_per_s: float = 0.0
+    tok_per_s: float = 0.0
+    eta_s: float | None = None
+    cost: float = 0.0
+    reason: str = ""  # why it is in its state ("budget reached", "source exhausted", ...)
+    at: float = field(default_factory=time.time)
+
+    @property
+    def overshoot(self) -> int:
+        return max(0, self.tokens - self.budget)
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, self.tokens / self.budget) if self.budget else 1.0
+
+    @property
+    def mean_completion(self) -> float:
+        return self.tokens / self.samples if self.samples else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointStats(Event):
+    kind: ClassVar[str] = "endpoint"
+    url: str
+    in_flight: int
+    requests: int
+    errors: int
+    req_per_s: float
+    tok_per_s: float
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+    at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True, slots=True)
+class StageState(Event):
+    kind: ClassVar[str] = "stage"
+    stage: str
+    status: StageStatus
+    detail: str = ""
+    at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True, slots=True)
+class LogEvent(Event):
+    kind: ClassVar[str] = "log"
+    level: str  # "info" | "warning" | "error"
+    message: str
+    dataset: str | None = None
+    at: float = field(default_factory=time.time)
+
+
+_EVENTS: dict[str, type[Event]] = {cls.kind: cls for cls in (DatasetProgress, EndpointStats, StageState, LogEvent)}
+_ENUM_FIELDS = {"state": DatasetState, "status": StageStatus}
+
+
+def event_from_json(payload: dict[str, Any]) -> Event:
+    payload = dict(payload)
+    cls = _EVENTS[payload.pop("type")]
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in payload.items() if k in names}
+    for key, enum in _ENUM_FIELDS.items():
+        if key in kwargs:
+            kwargs[key] = enum(kwargs[key])
+    return cls(**kwargs)
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    kind: ClassVar[str] = "command"
+    dataset: str | None = None  # None: every dataset
+
+    def to_json(self) -> dict[str, Any]:
+        payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        payload["cmd"] = self.kind
+        return payload
+
+
+@dataclass(frozen=True, slots=True)
+class Pause(Command):
+    kind: ClassVar[str] = "pause"
+
+
+@dataclass(frozen=True, slots=True)
+class Resume(Command):
+    kind: ClassVar[str] = "resume"
+
+
+@dataclass(frozen=True, slots=True)
+class Kill(Command):
+    kind: ClassVar[str] = "kill"
+
+
+@dataclass(frozen=True, slots=True)
+class SetBudget(Command):
+    kind: ClassVar[str] = "budget"
+    tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    ok: bool
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "message": self.message}
+
+
+_COMMANDS: dict[str, type[Command]] = {cls.kind: cls for cls in (Pause, Resume, Kill, SetBudget)}
+
+
+def command_from_json(payload: dict[str, Any]) -> Command:
+    payload = dict(payload)
+    name = payload.pop("cmd", None)
+    if name not in _COMMANDS:
+        raise ValueError(f"unknown command {name!r}; expected one of {', '.join(_COMMANDS)}")
+    cls = _COMMANDS[name]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(payload) - names
+    if unknown:
+        raise ValueError(f"{name}: unknown field(s) {', '.join(sorted(unknown))}")
+    dataset = payload.get("dataset")
+    if dataset is not None and not isinstance(dataset, str):
+        raise ValueError(f"{name}: dataset must be a string")
+    if cls is SetBudget:
+        tokens = payload.get("tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError("budget: tokens must be a non-negative integer")
+        if dataset is None:
+            raise ValueError("budget: a dataset is required")
+    return cls(**payload)

@@ -1,0 +1,99 @@
+"""``--no-tui``: the engine with its events printed as status lines or JSON lines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from typing import TextIO
+
+from .config import RunConfig
+from .control import ControlError, ControlServer, socket_path_for
+from .engine import Engine, RunSummary
+from .events import DatasetProgress, DatasetState
+from .report import format_event, json_line, status_line
+
+__all__ = ["exit_code", "run_headless", "install_kill_signals"]
+
+EXIT_OK, EXIT_FAILED, EXIT_KILLED = 0, 1, 130
+
+
+def exit_code(summary: RunSummary) -> int:
+    if summary.killed:
+        return EXIT_KILLED
+    return EXIT_OK if summary.ok else EXIT_FAILED
+
+
+def install_kill_signals(engine: Engine) -> None:
+    """First Ctrl-C/SIGTERM kills cleanly (finished work kept); a second one exits at once."""
+    loop = asyncio.get_running_loop()
+    hits = 0
+
+    def on_signal() -> None:
+        nonlocal hits
+        hits += 1
+        if hits > 1:
+            os._exit(EXIT_KILLED)  # the manifest is always consistent on disk; nothing to save
+        engine.kill()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, on_signal)
+
+
+async def _print_events(engine: Engine, out: TextIO, as_json: bool, every_s: float) -> None:
+    latest: dict[str, DatasetProgress] = {}
+    last_states: dict[str, DatasetState] = {}
+    last_print = time.monotonic()
+    async for event in engine.subscribe():
+        if as_json:
+            out.write(json_line(event) + "\n")
+            out.flush()
+            continue
+        if isinstance(event, DatasetProgress):
+            latest[event.name] = event
+            if last_states.get(event.name) != event.state:
+                last_states[event.name] = event.state
+                out.write(format_event(event) + "\n")
+            if time.monotonic() - last_print >= every_s:
+                last_print = time.monotonic()
+                for progress in latest.values():
+                    out.write(status_line(progress) + "\n")
+                out.flush()
+        elif (line := format_event(event)) is not None and event.kind != "endpoint":
+            out.write(line + "\n")
+            out.flush()
+    if not as_json:
+        out.write("summary:\n")
+        for progress in latest.values():
+            out.write("  " + status_line(progress) + "\n")
+        out.flush()
+
+
+async def run_headless(config: RunConfig, *, as_json: bool = False, out: TextIO | None = None, serve_socket: bool = True) -> int:
+    out = out or sys.stdout
+    engine = Engine(config)
+    await engine.open()
+    server = None
+    if serve_socket:
+        server = ControlServer(engine, socket_path_for(config.name, config.output_dir))
+        try:
+            await server.start()
+        except (ControlError, OSError) as exc:
+            engine.log("warning", f"control socket unavailable: {exc}")
+            server = None
+        else:
+            engine.log("info", f"control socket: {server.path}")
+    install_kill_signals(engine)
+    printer = asyncio.create_task(_print_events(engine, out, as_json, config.status_interval_s), name="printer")
+    try:
+        summary = await engine.run()
+    finally:
+        if server is not None:
+            await server.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(printer, 5)
+    return exit_code(summary)

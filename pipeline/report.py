@@ -1,0 +1,104 @@
+"""One formatter for every output: the ``--no-tui`` log lines, JSON lines, and the console's cells."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from .config import format_tokens
+from .events import DatasetProgress, EndpointStats, Event, LogEvent, StageState
+
+__all__ = ["dataset_cells", "format_duration", "format_event", "format_rate", "json_line", "status_line"]
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, s = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{s:02d}s"
+    hours, m = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{m:02d}m"
+    return f"{hours // 24}d{hours % 24:02d}h"
+
+
+def format_rate(value: float) -> str:
+    if value >= 1000:
+        return format_tokens(value)
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def dataset_cells(p: DatasetProgress) -> dict[str, str]:
+    """The columns of a dataset row, by name; the TUI and the status line both use these."""
+    state = p.state.value
+    if p.state.value == "done" and p.overshoot:
+        state = "over budget"
+    return {
+        "dataset": p.name,
+        "state": state,
+        "tokens": f"{format_tokens(p.tokens)}/{format_tokens(p.budget)}",
+        "percent": f"{100 * p.fraction:.1f}%",
+        "samples": f"{p.samples:,}" + (f"/{p.max_samples:,}" if p.max_samples else ""),
+        "avg": f"{p.mean_completion:.0f}",
+        "req_s": format_rate(p.req_per_s),
+        "tok_s": format_rate(p.tok_per_s),
+        "eta": format_duration(p.eta_s),
+        "in_flight": str(p.in_flight),
+        "failures": str(p.failures + p.bad_lines),
+        "truncated": str(p.truncated),
+        "cost": f"${p.cost:.2f}" if p.cost else "",
+    }
+
+
+def status_line(p: DatasetProgress) -> str:
+    c = dataset_cells(p)
+    parts = [
+        f"{c['dataset']:<12}",
+        f"{c['state']:<11}",
+        f"{c['tokens']:>15} tok ({c['percent']:>6})",
+        f"samples {c['samples']}",
+        f"avg {c['avg']}",
+        f"req/s {c['req_s']}",
+        f"tok/s {c['tok_s']}",
+        f"ETA {c['eta']}",
+        f"in-flight {c['in_flight']}",
+        f"failed {c['failures']}",
+    ]
+    if p.truncated:
+        parts.append(f"length-cut {c['truncated']}")
+    if c["cost"]:
+        parts.append(f"spend {c['cost']}")
+    if p.reason and p.state.terminal:
+        parts.append(f"[{p.reason}]")
+    return "  ".join(parts)
+
+
+def _clock(at: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(at))
+
+
+def format_event(event: Event) -> str | None:
+    """A readable line for events worth a line of their own (progress goes via status_line)."""
+    if isinstance(event, LogEvent):
+        return f"{_clock(event.at)} {event.level.upper():<7} {event.message}"
+    if isinstance(event, StageState):
+        detail = f" ({event.detail})" if event.detail else ""
+        return f"{_clock(event.at)} STAGE   {event.stage}: {event.status.value}{detail}"
+    if isinstance(event, EndpointStats):
+        p50 = f"{event.latency_p50_s:.2f}s" if event.latency_p50_s is not None else "-"
+        p95 = f"{event.latency_p95_s:.2f}s" if event.latency_p95_s is not None else "-"
+        return (
+            f"{_clock(event.at)} SERVER  {event.url}  in-flight {event.in_flight}  req/s {format_rate(event.req_per_s)}  "
+            f"tok/s {format_rate(event.tok_per_s)}  p50 {p50}  p95 {p95}  errors {event.errors}"
+        )
+    if isinstance(event, DatasetProgress):
+        return f"{_clock(event.at)} DATA    {status_line(event)}"
+    return None
+
+
+def json_line(event: Event) -> str:
+    return json.dumps(event.to_json(), separators=(",", ":"))

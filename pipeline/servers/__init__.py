@@ -1,0 +1,1 @@
+"""Loopback servers: a real model server and a fault-injecting one."""

@@ -1,0 +1,173 @@
+"""A fast OpenAI-compatible loopback server with canned answers and injected faults.
+
+Faults are asked for in the prompt text, so a test decides exactly what each record meets:
+
+    [[fault:500x2]]      two HTTP 500s, then success (per prompt; also 502/503/400/401...)
+    [[fault:429x1]]      one 429 with ``Retry-After`` (``retry_after`` query/CLI default 0.2s)
+    [[fault:resetx1]]    headers and half a body, then the connection is cut
+    [[fault:malformedx1]] HTTP 200 with a body that is not JSON
+    [[fault:stall]]      never answers; counts the client's disconnect
+    [[fault:nousage]]    success without ``usage``
+    [[fault:echo-auth]]  HTTP 400 whose body echoes the Authorization header (redaction test)
+    [[tokens:N]]         answer with N completion tokens (N words)
+    [[delay:S]]          answer after S seconds
+
+``--fault-rate`` adds random transient faults (500, 429, reset, malformed) to any request.
+``GET /admin/stats`` reports requests, completions, disconnects and peak concurrency.
+
+    python -m pipeline.servers.fault --port 0 --port-file PORT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import random
+import re
+import time
+
+from aiohttp import web
+
+from .common import LOOPBACK, client_gone, serve_forever
+
+_DIRECTIVE = re.compile(r"\[\[(fault|tokens|delay):([^\]]+)\]\]")
+_WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box".split()
+
+
+class FaultServer:
+    def __init__(self, *, tokens: int = 32, latency_s: float = 0.0, fault_rate: float = 0.0, retry_after: float = 0.2, seed: int = 0):
+        self.default_tokens, self.latency_s, self.fault_rate, self.retry_after = tokens, latency_s, fault_rate, retry_after
+        self.rng = random.Random(seed)
+        self.attempts: dict[str, int] = {}
+        self.stats = {"requests": 0, "completed": 0, "disconnects": 0, "in_flight": 0, "max_in_flight": 0, "faults": 0}
+        self._canned: dict[int, bytes] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/admin/stats", self.admin_stats)
+        app.router.add_post("/admin/reset", self.admin_reset)
+        app.router.add_get("/health", lambda r: web.Response(text="ok"))
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fault-model", "object": "model", "max_model_len": 4096}]})
+
+    async def admin_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats)
+
+    async def admin_reset(self, request: web.Request) -> web.Response:
+        self.attempts.clear()
+        for key in self.stats:
+            self.stats[key] = 0
+        return web.json_response({"ok": True})
+
+    def _answer(self, tokens: int, usage: bool, prompt_tokens: int) -> bytes:
+        if usage and tokens in self._canned:
+            return self._canned[tokens]
+        text = " ".join(_WORDS[i % len(_WORDS)] for i in range(tokens))
+        payload = {
+            "id": "chatcmpl-canned",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": "fault-model",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        }
+        if usage:
+            payload["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
+        body = json.dumps(payload).encode()
+        if usage:
+            self._canned[tokens] = body
+        return body
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.stats["requests"] += 1
+        self.stats["in_flight"] += 1
+        self.stats["max_in_flight"] = max(self.stats["max_in_flight"], self.stats["in_flight"])
+        try:
+            return await self._chat(request)
+        finally:
+            self.stats["in_flight"] -= 1
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+            messages = body["messages"]
+            text = messages[-1]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return web.json_response({"error": {"message": "bad request body"}}, status=400)
+        directives = _DIRECTIVE.findall(text)
+        key = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        attempt = self.attempts[key] = self.attempts.get(key, 0) + 1
+        tokens, usage, delay = self.default_tokens, True, self.latency_s
+        fault: str | None = None
+        for kind, arg in directives:
+            if kind == "tokens":
+                tokens = int(arg)
+            elif kind == "delay":
+                delay = float(arg)
+            elif kind == "fault":
+                name, _, times = arg.partition("x")
+                if arg == "nousage":
+                    usage = False
+                elif arg in ("stall", "echo-auth") or not times or attempt <= int(times):
+                    fault = arg if arg in ("stall", "echo-auth") else name
+        if fault is None and self.fault_rate and self.rng.random() < self.fault_rate:
+            fault = self.rng.choice(["500", "429", "reset", "malformed"])
+        if delay:
+            await asyncio.sleep(delay)
+        if fault is not None:
+            self.stats["faults"] += 1
+            return await self._fault(request, fault)
+        self.stats["completed"] += 1
+        prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
+        return web.Response(body=self._answer(tokens, usage, prompt_tokens), content_type="application/json")
+
+    async def _fault(self, request: web.Request, fault: str) -> web.StreamResponse:
+        if fault == "stall":
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                if client_gone(request):
+                    self.stats["disconnects"] += 1
+                    break
+                await asyncio.sleep(0.02)
+            return web.Response(status=499)
+        if fault == "echo-auth":
+            return web.json_response({"error": {"message": f"bad key: {request.headers.get('Authorization', '')}"}}, status=400)
+        if fault == "429":
+            return web.json_response({"error": {"message": "rate limited"}}, status=429, headers={"Retry-After": f"{self.retry_after:g}"})
+        if fault == "malformed":
+            return web.Response(body=b'{"choices": [ this is not json', content_type="application/json")
+        if fault == "reset":
+            response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "4096"})
+            await response.prepare(request)
+            await response.write(b'{"id": "chatcmpl-cut", "choices": [{"index": 0, "mess')
+            if request.transport is not None:
+                request.transport.abort()
+            return response
+        if fault.isdigit():
+            return web.json_response({"error": {"message": f"injected {fault}"}}, status=int(fault))
+        return web.json_response({"error": {"message": f"unknown fault {fault!r}"}}, status=400)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default=LOOPBACK)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--port-file")
+    parser.add_argument("--tokens", type=int, default=32, help="completion tokens per answer")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds before each answer")
+    parser.add_argument("--fault-rate", type=float, default=0.0)
+    parser.add_argument("--retry-after", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    server = FaultServer(tokens=args.tokens, latency_s=args.latency, fault_rate=args.fault_rate, retry_after=args.retry_after, seed=args.seed)
+    serve_forever(server.app(), args.host, args.port, args.port_file)
+
+
+if __name__ == "__main__":
+    main()

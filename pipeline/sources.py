@@ -1,0 +1,158 @@
+"""Prompt datasets: JSONL rows in ShareGPT (`conversations`), OpenAI/UltraChat (`messages`)
+or plain `prompt` form, read from a byte offset so a resumed run never re-reads what it passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Prompt", "BadLine", "SourceReader", "parse_row", "prompt_id_for"]
+
+_ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "bot": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One request to make: the conversation up to (and including) its last user turn."""
+
+    prompt_id: str
+    messages: tuple[dict[str, str], ...]
+    offset: int  # byte offset of the source line
+    end: int  # byte offset just past it
+    line: int  # 1-based line number in the source
+
+
+@dataclass(frozen=True, slots=True)
+class BadLine:
+    """A source row that cannot be used; ``message`` reads ``file:line: field: why``."""
+
+    path: str
+    line: int
+    offset: int
+    end: int
+    field: str
+    reason: str
+
+    @property
+    def message(self) -> str:
+        return f"{self.path}:{self.line}: {self.field}: {self.reason}"
+
+
+class RowError(ValueError):
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
+def prompt_id_for(messages: tuple[dict[str, str], ...]) -> str:
+    canonical = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return "h" + hashlib.blake2b(canonical.encode("utf-8"), digest_size=12).hexdigest()
+
+
+def _turns(raw: Any, key: str) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise RowError(key, "expected a non-empty list of turns")
+    turns = []
+    for i, turn in enumerate(raw):
+        where = f"{key}[{i}]"
+        if not isinstance(turn, dict):
+            raise RowError(where, "expected an object")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if not isinstance(role, str):
+            raise RowError(f"{where}.role", "missing or not a string")
+        mapped = _ROLE_ALIASES.get(role.lower())
+        if mapped is None:
+            raise RowError(f"{where}.role", f"unknown role {role!r}")
+        if not isinstance(content, str):
+            raise RowError(f"{where}.content", "missing or not a string")
+        turns.append({"role": mapped, "content": content})
+    return turns
+
+
+def parse_row(row: Any, fmt: str, id_field: str) -> tuple[str, tuple[dict[str, str], ...]]:
+    """Return (prompt_id, messages-to-send). Raises RowError naming the field."""
+    if not isinstance(row, dict):
+        raise RowError("<row>", "expected a JSON object")
+    if fmt == "auto":
+        fmt = next((k for k in ("conversations", "messages", "prompt") if k in row), "")
+        if not fmt:
+            raise RowError("<row>", "no 'conversations', 'messages' or 'prompt' field")
+    if fmt == "prompt":
+        text = row.get("prompt")
+        if not isinstance(text, str) or not text.strip():
+            raise RowError("prompt", "missing or empty")
+        turns = [{"role": "user", "content": text}]
+        system = row.get("system")
+        if isinstance(system, str) and system:
+            turns.insert(0, {"role": "system", "content": system})
+    else:
+        if fmt not in row:
+            raise RowError(fmt, "missing")
+        turns = _turns(row[fmt], fmt)
+    # Regenerate the reply to the last user turn; later (original) assistant turns are dropped.
+    last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
+    if last_user is None:
+        raise RowError(fmt, "no user turn")
+    if not turns[last_user]["content"].strip():
+        raise RowError(f"{fmt}[{last_user}].content", "empty user turn")
+    messages = tuple(turns[: last_user + 1])
+    own_id = row.get(id_field)
+    if isinstance(own_id, (str, int)) and not isinstance(own_id, bool) and str(own_id):
+        return str(own_id), messages
+    return prompt_id_for(messages), messages
+
+
+class SourceReader:
+    """Iterates a JSONL source from a byte offset, yielding Prompt or BadLine."""
+
+    def __init__(self, path: Path, fmt: str = "auto", id_field: str = "id", *, offset: int = 0, line: int = 0):
+        self.path, self.fmt, self.id_field = path, fmt, id_field
+        self.start_offset, self.start_line = offset, line
+
+    def __iter__(self) -> Iterator[Prompt | BadLine]:
+        offset, line_no = self.start_offset, self.start_line
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            for raw in f:
+                line_no += 1
+                here = offset
+                offset += len(raw)
+                text = raw.strip()
+                if not text:
+                    continue  # blank lines carry nothing; the next item's end moves past them
+                try:
+                    row = json.loads(text)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    yield BadLine(str(self.path), line_no, here, offset, "<json>", f"invalid JSON ({getattr(exc, 'msg', exc)})")
+                    continue
+                try:
+                    pid, messages = parse_row(row, self.fmt, self.id_field)
+                except RowError as exc:
+                    yield BadLine(str(self.path), line_no, here, offset, exc.field, exc.reason)
+                    continue
+                yield Prompt(pid, messages, here, offset, line_no)
+
+    def batches(self, size: int = 256) -> Iterator[list[Prompt | BadLine]]:
+        batch: list[Prompt | BadLine] = []
+        for item in self:
+            batch.append(item)
+            if len(batch) >= size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch

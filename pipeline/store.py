@@ -1,0 +1,298 @@
+"""Crash-safe per-dataset output: append-only JSONL plus a small atomic progress manifest.
+
+Layout of ``OUT/<dataset>/``:
+
+* ``data.jsonl``   one regenerated conversation per line, appended in fsynced batches;
+* ``failed.jsonl`` records that failed permanently and unusable source lines, with the reason;
+* ``manifest.json`` written by temp-file + rename after every batch: the byte length of both
+  files at that point, running totals, and a *watermark* into the source (the first source
+  line that is not yet durably done) plus the prompt ids done beyond it.
+
+Resume reads the manifest, then only the bytes appended after it (at most one batch), repairs
+a torn last line, and seeks the source to the watermark: its cost does not grow with the size
+of the output or of the source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .sources import BadLine, Prompt
+
+__all__ = ["DatasetStore", "StoreError", "Totals"]
+
+MANIFEST_VERSION = 1
+_FINGERPRINT_SPAN = 4096
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+@dataclass
+class Totals:
+    samples: int = 0
+    tokens: int = 0
+    prompt_tokens: int = 0
+    failures: int = 0
+    bad_lines: int = 0
+    truncated: int = 0
+    cost: float = 0.0
+
+    def add_record(self, record: dict[str, Any]) -> None:
+        self.samples += 1
+        self.tokens += int(record.get("completion_tokens") or 0)
+        self.prompt_tokens += int(record.get("prompt_tokens") or 0)
+        self.truncated += record.get("finish_reason") == "length"
+        self.cost += float(record.get("cost") or 0.0)
+
+    def add_failure(self, record: dict[str, Any]) -> None:
+        if record.get("kind") == "bad_line":
+            self.bad_lines += 1
+        else:
+            self.failures += 1
+
+    def copy(self) -> "Totals":
+        return Totals(**self.__dict__)
+
+
+@dataclass
+class _Batch:
+    data: list[tuple[int, str, bytes, dict[str, Any]]] = field(default_factory=list)  # offset, id, line, record
+    failed: list[tuple[int, str, bytes, dict[str, Any]]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.data or self.failed)
+
+
+def _encode(record: dict[str, Any]) -> bytes:
+    return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(payload, ensure_ascii=False, indent=1).encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def source_fingerprint(path: Path, offset: int) -> str:
+    """Hash of the source's head and of the bytes just before ``offset``: O(1), and enough to
+    notice a source that was replaced or edited under a resumable run."""
+    h = hashlib.blake2b(digest_size=12)
+    with open(path, "rb") as f:
+        h.update(f.read(min(offset, _FINGERPRINT_SPAN)))
+        if offset > _FINGERPRINT_SPAN:
+            f.seek(max(_FINGERPRINT_SPAN, offset - _FINGERPRINT_SPAN))
+            h.update(f.read(offset - f.tell()))
+    return h.hexdigest()
+
+
+class DatasetStore:
+    """Owned by the event loop; file I/O runs in worker threads, one flush at a time."""
+
+    def __init__(self, directory: Path, name: str, source: Path):
+        self.directory = directory
+        self.name = name
+        self.source = source
+        self.data_path = directory / "data.jsonl"
+        self.failed_path = directory / "failed.jsonl"
+        self.manifest_path = directory / "manifest.json"
+        self.durable = Totals()  # what is on disk and in the manifest
+        self.accepted = Totals()  # durable + buffered: what the budget is checked against
+        self.budget_override: int | None = None
+        self.done_beyond: dict[str, int] = {}  # prompt_id -> source offset, durable, >= watermark
+        self._pending: dict[int, tuple[int, str]] = {}  # offset -> (lines before it, prompt_id)
+        self._read_pos: tuple[int, int] = (0, 0)  # (offset, lines before) of the next unread line
+        self._sizes: tuple[int, int] = (0, 0)
+        self._batch = _Batch()
+        self._flush_lock = asyncio.Lock()
+        self.repaired_bytes = 0
+        self.recovered_records = 0
+
+    # ---- opening / recovery -------------------------------------------------------------
+    def open(self) -> None:
+        """Blocking: call through ``asyncio.to_thread``."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        manifest: dict[str, Any] = {}
+        if self.manifest_path.exists():
+            try:
+                manifest = json.loads(self.manifest_path.read_bytes())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise StoreError(f"{self.manifest_path}: unreadable manifest ({exc}); move it aside to rebuild") from None
+            if manifest.get("version") != MANIFEST_VERSION:
+                raise StoreError(f"{self.manifest_path}: manifest version {manifest.get('version')!r} not supported")
+        elif self.data_path.exists() and self.data_path.stat().st_size:
+            raise StoreError(
+                f"{self.data_path}: output exists without {self.manifest_path.name}; "
+                "it was not written by this tool (or the manifest was removed): move it aside"
+            )
+        watermark = manifest.get("watermark", {"offset": 0, "lines": 0})
+        self._read_pos = (int(watermark["offset"]), int(watermark["lines"]))
+        if manifest and self._read_pos[0] > 0:
+            if not self.source.exists():
+                raise StoreError(f"{self.source}: source missing (the run was at byte {self._read_pos[0]})")
+            if self.source.stat().st_size < self._read_pos[0] or source_fingerprint(
+                self.source, self._read_pos[0]
+            ) != manifest.get("source_fingerprint"):
+                raise StoreError(
+                    f"{self.source}: changed since this output was written (resume point byte "
+                    f"{self._read_pos[0]}); restore it or use a new output_dir"
+                )
+        self.done_beyond = {str(k): int(v) for k, v in manifest.get("done_beyond", {}).items()}
+        self.durable = Totals(**manifest.get("totals", {}))
+        self.budget_override = manifest.get("budget_override")
+        committed = manifest.get("committed", {"data": 0, "failed": 0})
+        data_size = self._recover(self.data_path, int(committed["data"]), is_failure=False)
+        failed_size = self._recover(self.failed_path, int(committed["failed"]), is_failure=True)
+        self._sizes = (data_size, failed_size)
+        self.accepted = self.durable.copy()
+        if self.recovered_records or self.repaired_bytes or not manifest:
+            self._write_manifest(self._manifest())
+
+    def _recover(self, path: Path, committed: int, *, is_failure: bool) -> int:
+        """Account for records appended after the last manifest; truncate a torn tail."""
+        if not path.exists():
+            if committed:
+                raise StoreError(f"{path}: missing, but the manifest says {committed} bytes were written")
+            path.touch()
+            return 0
+        size = path.stat().st_size
+        if size < committed:
+            raise StoreError(f"{path}: {size} bytes, shorter than the {committed} the manifest recorded (truncated by hand?)")
+        if size == committed:
+            return size
+        good = committed
+        with open(path, "rb") as f:
+            f.seek(committed)
+            tail = f.read(size - committed)
+        for raw in tail.splitlines(keepends=True):
+            if not raw.endswith(b"\n"):
+                break
+            try:
+                record = json.loads(raw)
+                pid, offset = str(record["id"]), int(record["source_offset"])
+            except (ValueError, KeyError, TypeError):
+                break
+            good += len(raw)
+            self.recovered_records += 1
+            self.done_beyond[pid] = offset
+            (self.durable.add_failure if is_failure else self.durable.add_record)(record)
+        if good < size:
+            self.repaired_bytes += size - good
+            with open(path, "r+b") as f:
+                f.truncate(good)
+                f.flush()
+                os.fsync(f.fileno())
+        return good
+
+    # ---- the run's view -------------------------------------------------------------------
+    def reader_position(self) -> tuple[int, int]:
+        return self._read_pos
+
+    def skip(self, prompt: Prompt) -> bool:
+        return prompt.prompt_id in self.done_beyond
+
+    def advanced(self, offset: int, lines: int) -> None:
+        """The reader has consumed the source up to (offset, lines)."""
+        self._read_pos = (offset, lines)
+
+    def dispatched(self, item: Prompt | BadLine) -> None:
+        pid = item.prompt_id if isinstance(item, Prompt) else f"line:{item.line}"
+        self._pending[item.offset] = (item.line - 1, pid)
+
+    def add_record(self, prompt: Prompt, record: dict[str, Any]) -> None:
+        self.accepted.add_record(record)
+        self._batch.data.append((prompt.offset, prompt.prompt_id, _encode(record), record))
+
+    def add_failure(self, item: Prompt | BadLine, record: dict[str, Any]) -> None:
+        self.accepted.add_failure(record)
+        pid = item.prompt_id if isinstance(item, Prompt) else f"line:{item.line}"
+        self._batch.failed.append((item.offset, pid, _encode(record), record))
+
+    def buffered(self) -> int:
+        return len(self._batch.data) + len(self._batch.failed)
+
+    def rewind_to_watermark(self) -> None:
+        """Forget in-flight work (cancelled): the next reader starts at the oldest of it."""
+        self._read_pos = self._watermark()
+        self._pending.clear()
+
+    def _watermark(self) -> tuple[int, int]:
+        if self._pending:
+            offset = min(self._pending)
+            return offset, self._pending[offset][0]
+        return self._read_pos
+
+    # ---- durability -----------------------------------------------------------------------
+    async def flush(self, *, force_manifest: bool = False) -> None:
+        async with self._flush_lock:
+            batch, self._batch = self._batch, _Batch()
+            if not batch and not force_manifest:
+                return
+            if batch:
+                self._sizes = await asyncio.to_thread(self._append, batch)
+                for offset, pid, _, record in batch.data:
+                    self._pending.pop(offset, None)
+                    self.done_beyond[pid] = offset
+                    self.durable.add_record(record)
+                for offset, pid, _, record in batch.failed:
+                    self._pending.pop(offset, None)
+                    self.done_beyond[pid] = offset
+                    self.durable.add_failure(record)
+            manifest = self._manifest()
+            await asyncio.to_thread(self._write_manifest, manifest)
+
+    def _append(self, batch: _Batch) -> tuple[int, int]:
+        sizes = list(self._sizes)
+        for i, (path, lines) in enumerate(((self.data_path, batch.data), (self.failed_path, batch.failed))):
+            if not lines:
+                continue
+            payload = b"".join(entry[2] for entry in lines)
+            with open(path, "ab") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            sizes[i] += len(payload)
+        return sizes[0], sizes[1]
+
+    def _manifest(self) -> dict[str, Any]:
+        offset, lines = self._watermark()
+        self.done_beyond = {pid: off for pid, off in self.done_beyond.items() if off >= offset}
+        return {
+            "version": MANIFEST_VERSION,
+            "dataset": self.name,
+            "source": str(self.source),
+            "watermark": {"offset": offset, "lines": lines},
+            "done_beyond": self.done_beyond,
+            "committed": {"data": self._sizes[0], "failed": self._sizes[1]},
+            "totals": dict(self.durable.__dict__),
+            "budget_override": self.budget_override,
+        }
+
+    def _write_manifest(self, manifest: dict[str, Any]) -> None:
+        offset = manifest["watermark"]["offset"]
+        manifest["source_fingerprint"] = source_fingerprint(self.source, offset) if self.source.exists() else None
+        write_json_atomic(self.manifest_path, manifest)
