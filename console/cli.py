@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="offline end-to-end run on a tiny local model")
     demo.add_argument("--dir", type=Path, default=Path("eagleops-demo"), help="where the demo keeps its files")
+    demo.add_argument("--fresh", action="store_true", help="discard the demo's earlier output and generate again")
     add_view_flags(demo)
 
     def add_socket(p: argparse.ArgumentParser) -> None:
@@ -120,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from pipeline.demo import prepare_demo
 
-            run_file = prepare_demo(args.dir, log=lambda m: print(m, file=sys.stderr, flush=True))
-            with run_file.server() as _:
-                return _run(load_run(run_file.path), args)
+            demo = prepare_demo(args.dir, fresh=args.fresh, log=lambda m: print(m, file=sys.stderr, flush=True))
+            with demo.serve() as run_path:
+                return _run(load_run(run_path), args)
         return asyncio.run(_remote(args))
     except ConfigError as exc:
         return _die(str(exc), EXIT_USAGE)

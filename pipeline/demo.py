@@ -1,0 +1,141 @@
+"""The embedded default: an offline run on a tiny local model, start to finish in well under
+three minutes on two CPU cores. Everything it needs is made here, once, and cached in DIR.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .tinymodel import build_tiny_model, sample_text
+
+__all__ = ["DemoRun", "prepare_demo", "start_server", "write_demo_datasets"]
+
+DATASETS = (
+    # name, file, format, token budget
+    ("B1", "sharegpt.jsonl", "conversations", 8000),
+    ("B2", "ultrachat.jsonl", "messages", 6000),
+    ("B3", "prompts.jsonl", "prompt", 4000),
+)
+
+
+def write_demo_datasets(directory: Path, *, count: int = 300, seed: int = 1) -> None:
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = {
+        "sharegpt.jsonl": [
+            {"id": f"sg-{i}", "conversations": [{"from": "human", "value": sample_text(rng, rng.randint(5, 25))}, {"from": "gpt", "value": sample_text(rng, 12)}]}
+            for i in range(count)
+        ],
+        "ultrachat.jsonl": [
+            {
+                "id": f"uc-{i}",
+                "messages": [
+                    {"role": "user", "content": sample_text(rng, rng.randint(5, 20))},
+                    {"role": "assistant", "content": sample_text(rng, 10)},
+                    {"role": "user", "content": sample_text(rng, rng.randint(3, 12))},
+                ],
+            }
+            for i in range(count)
+        ],
+        "prompts.jsonl": [{"prompt": sample_text(rng, rng.randint(4, 18))} for _ in range(count)],
+    }
+    for name, items in rows.items():
+        path = directory / name
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in items))
+        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def start_server(argv: list[str], port_file: Path, *, log_path: Path, timeout_s: float = 120.0) -> Iterator[int]:
+    """Start one of our loopback servers as a subprocess; yield its port; stop it after."""
+    port_file.unlink(missing_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", *argv, "--port", "0", "--port-file", str(port_file)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not port_file.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start in {timeout_s:.0f}s; see {log_path}")
+            time.sleep(0.05)
+        port = int(port_file.read_text())
+        while True:  # the port file is written once listening; health confirms the app is routed
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class DemoRun:
+    directory: Path
+    model_dir: Path
+
+    @property
+    def run_path(self) -> Path:
+        return self.directory / "run.toml"
+
+    def write_run(self, port: int) -> Path:
+        lines = [
+            'name = "demo"',
+            'output_dir = "out"',
+            "concurrency = 32",
+            "status_interval_s = 3",
+            f'tokenizer = "{self.model_dir.name}"',
+            "",
+            "[sampling]",
+            "max_tokens = 96",
+            "temperature = 1.0",
+            "",
+            "[[endpoints]]",
+            f'base_url = "http://127.0.0.1:{port}/v1"',
+            'model = "tiny-llama"',
+        ]
+        for name, file, fmt, budget in DATASETS:
+            lines += ["", "[[datasets]]", f'name = "{name}"', f'path = "data/{file}"', f'format = "{fmt}"', f"token_budget = {budget}"]
+        self.run_path.write_text("\n".join(lines) + "\n")
+        return self.run_path
+
+    @contextlib.contextmanager
+    def serve(self) -> Iterator[Path]:
+        argv = ["pipeline.servers.model", "--model", str(self.model_dir), "--name", "tiny-llama", "--max-batch", "32"]
+        with start_server(argv, self.directory / "server.port", log_path=self.directory / "server.log") as port:
+            yield self.write_run(port)
+
+
+def prepare_demo(directory: Path, *, fresh: bool = False, log: Callable[[str], None] = lambda m: None) -> DemoRun:
+    directory = directory.resolve()
+    if fresh:
+        shutil.rmtree(directory / "out", ignore_errors=True)
+    model_dir = directory / "tiny-llama"
+    if not (model_dir / "eagleops-tiny.json").exists():
+        log(f"building the tiny target model and tokenizer in {model_dir} (once) ...")
+    build_tiny_model(model_dir, stop_bias=3.0)
+    if not (directory / "data" / "prompts.jsonl").exists():
+        write_demo_datasets(directory / "data")
+    log(f"demo files in {directory}; starting the model server on 127.0.0.1 ...")
+    return DemoRun(directory, model_dir)

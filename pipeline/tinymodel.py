@@ -1,0 +1,129 @@
+"""A tiny real target: a Llama with random weights and a BPE tokenizer trained here, offline.
+
+Used by the demo and the tests. Nothing is downloaded: the tokenizer is trained with
+``tokenizers`` on text generated from the word list below, and carries a Llama-3-style chat
+template so that ``apply_chat_template`` works exactly as it does for a real target.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+__all__ = ["CHAT_TEMPLATE", "build_tiny_model", "sample_text", "SPECIAL_TOKENS"]
+
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|pad|>"]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+_TOPICS = (
+    "python rust kernel cache tensor gradient server request budget token dataset shard layer "
+    "attention decoder drafter verify accept latency throughput queue socket manifest resume "
+    "garden river mountain bread coffee music letter window winter summer market travel city"
+).split()
+_WORDS = (
+    "the a an of to in on for with and or but is are was be can will how why what when which "
+    "explain write show describe compare list give make find use build fix test run read keep "
+    "small large fast slow new old good simple clear short long first last next every each some"
+).split()
+
+
+def sample_text(rng: random.Random, words: int) -> str:
+    out = []
+    for _ in range(words):
+        out.append(rng.choice(_TOPICS) if rng.random() < 0.35 else rng.choice(_WORDS))
+    sentence = " ".join(out)
+    return sentence[:1].upper() + sentence[1:] + rng.choice([".", "?", "!"])
+
+
+def _train_tokenizer(directory: Path, vocab_size: int, seed: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    corpus = [sample_text(rng, rng.randint(4, 30)) for _ in range(4000)]
+    corpus += [" ".join(_TOPICS), " ".join(_WORDS), "0 1 2 3 4 5 6 7 8 9 ( ) [ ] { } : ; , . ! ? ' \" - + = * / \\ _ # @ $ % & < > |"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|pad|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(directory))
+
+
+def build_tiny_model(
+    directory: str | Path,
+    *,
+    vocab_size: int = 2048,
+    hidden_size: int = 64,
+    layers: int = 8,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate_size: int = 176,
+    max_positions: int = 2048,
+    seed: int = 0,
+    stop_bias: float = 0.0,
+) -> Path:
+    """Write a tokenizer + random-weight LlamaForCausalLM to ``directory`` (once; cached).
+
+    ``stop_bias`` scales the end-of-turn row of the output head so that sampled answers end at
+    varied lengths, as a real model's do (random weights would almost never stop).
+    """
+    directory = Path(directory)
+    marker = directory / "eagleops-tiny.json"
+    spec = {
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "layers": layers, "heads": heads,
+        "kv_heads": kv_heads, "intermediate_size": intermediate_size, "max_positions": max_positions,
+        "seed": seed, "stop_bias": stop_bias,
+    }  # fmt: skip
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return directory
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    _train_tokenizer(directory, vocab_size, seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config)
+    if stop_bias:
+        with torch.no_grad():
+            model.lm_head.weight[tokenizer.eos_token_id] *= stop_bias
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(directory))
+    marker.write_text(json.dumps(spec))
+    return directory
