@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import parse_run
+from pipeline.demo import start_server
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+class Server:
+    def __init__(self, port: int):
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/admin/stats", timeout=5) as r:
+            return json.loads(r.read())
+
+    def reset(self) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/admin/reset", data=b"{}", method="POST")
+        urllib.request.urlopen(req, timeout=5).close()
+
+
+@pytest.fixture(autouse=True)
+def _private_runtime_dir(tmp_path, monkeypatch):
+    """Each test's control sockets live in its own folder, so tests never see each other."""
+    folder = Path("/tmp") / f"eo-test-{os.getpid()}-{abs(hash(tmp_path.name)) % 10**8}"
+    monkeypatch.setenv("EAGLEOPS_RUNTIME_DIR", str(folder))
+    yield
+    if folder.exists():
+        for p in folder.iterdir():
+            p.unlink(missing_ok=True)
+        folder.rmdir()
+
+
+@pytest.fixture(scope="module")
+def fault_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fault")
+    with start_server(["pipeline.servers.fault", "--tokens", "20", "--retry-after", "0.1"], folder / "port", log_path=folder / "log") as port:
+        yield Server(port)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from pipeline.tinymodel import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", stop_bias=3.0)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+def make_config(tmp_path: Path, base_url: str, datasets: list[dict], **top):
+    data = {
+        "name": top.pop("name", "t"),
+        "output_dir": str(tmp_path / "out"),
+        "concurrency": top.pop("concurrency", 8),
+        "flush_interval_s": top.pop("flush_interval_s", 0.05),
+        "sampling": top.pop("sampling", {"max_tokens": 64}),
+        "retry": top.pop("retry", {"base_delay_s": 0.01, "max_delay_s": 0.2, "max_attempts": 4, "timeout_s": 30}),
+        "endpoints": top.pop("endpoints", [{"base_url": base_url, "model": "m"}]),
+        "datasets": datasets,
+        **top,
+    }
+    return parse_run(data, origin=str(tmp_path / "run.toml"), base_dir=tmp_path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
