@@ -170,9 +170,11 @@ class DatasetRunner:
                 self._exhausted = True
                 return
             for item in batch:
-                if isinstance(item, BadLine):
+                if self.store.skip(item):
+                    pass
+                elif isinstance(item, BadLine):
                     self._bad_line(item)
-                elif not self.store.skip(item):
+                else:
                     if not await self._admit():
                         return
                     self.store.dispatched(item)

@@ -71,6 +71,11 @@ class _Batch:
         return bool(self.data or self.failed)
 
 
+def _key(item: Prompt | BadLine) -> str:
+    """What done-ness is keyed by: the prompt id, or for an unusable line its line number."""
+    return item.prompt_id if isinstance(item, Prompt) else f"line:{item.line}"
+
+
 def _encode(record: dict[str, Any]) -> bytes:
     return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
 
@@ -212,16 +217,15 @@ class DatasetStore:
     def reader_position(self) -> tuple[int, int]:
         return self._read_pos
 
-    def skip(self, prompt: Prompt) -> bool:
-        return prompt.prompt_id in self.done_beyond
+    def skip(self, item: Prompt | BadLine) -> bool:
+        return _key(item) in self.done_beyond
 
     def advanced(self, offset: int, lines: int) -> None:
         """The reader has consumed the source up to (offset, lines)."""
         self._read_pos = (offset, lines)
 
     def dispatched(self, item: Prompt | BadLine) -> None:
-        pid = item.prompt_id if isinstance(item, Prompt) else f"line:{item.line}"
-        self._pending[item.offset] = (item.line - 1, pid)
+        self._pending[item.offset] = (item.line - 1, _key(item))
 
     def add_record(self, prompt: Prompt, record: dict[str, Any]) -> None:
         self.accepted.add_record(record)
@@ -229,8 +233,7 @@ class DatasetStore:
 
     def add_failure(self, item: Prompt | BadLine, record: dict[str, Any]) -> None:
         self.accepted.add_failure(record)
-        pid = item.prompt_id if isinstance(item, Prompt) else f"line:{item.line}"
-        self._batch.failed.append((item.offset, pid, _encode(record), record))
+        self._batch.failed.append((item.offset, _key(item), _encode(record), record))
 
     def buffered(self) -> int:
         return len(self._batch.data) + len(self._batch.failed)

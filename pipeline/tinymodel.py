@@ -99,6 +99,9 @@ def build_tiny_model(
         return directory
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     directory.mkdir(parents=True, exist_ok=True)
     _train_tokenizer(directory, vocab_size, seed)
