@@ -21,9 +21,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagleops", description="Train EAGLE-3 drafters: generate, watch, steer.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def add_theme(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--theme", choices=("dark", "light"), default="dark", help="console colours (themes/*.tcss)")
+        p.add_argument("--refresh", type=float, default=1.0, help="console repaint interval in seconds (default 1)")
+
     def add_view_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument("--no-tui", action="store_true", help="headless: print status lines (for nohup/CI)")
         p.add_argument("--json", action="store_true", help="headless, one JSON event per line")
+        add_theme(p)
 
     run = sub.add_parser("run", help="run the pipeline described by a run file")
     run.add_argument("run_file", type=Path)
@@ -36,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
 
     def add_socket(p: argparse.ArgumentParser) -> None:
         p.add_argument("--socket", type=Path, help="control socket of the run (default: the one running)")
+
+    attach = sub.add_parser("attach", help="open the console on a run started with --no-tui")
+    attach.add_argument("socket", nargs="?", type=Path, help="its control socket (default: the one running)")
+    add_theme(attach)
 
     status = sub.add_parser("status", help="show a running engine's datasets")
     status.add_argument("--json", action="store_true")
@@ -104,12 +113,12 @@ def _run(config, args: argparse.Namespace) -> int:
     from pipeline.headless import run_headless
 
     if not (args.no_tui or args.json):
-        try:
-            from console.app import run_console  # noqa: F401 - the TUI lands with its own issue
-        except ImportError:
-            print("eagleops: the console is not built yet; running headless (--no-tui)", file=sys.stderr)
+        if not sys.stdout.isatty():
+            print("eagleops: stdout is not a terminal; running headless (--no-tui)", file=sys.stderr)
         else:
-            return asyncio.run(run_console(config))
+            from console.app import run_console
+
+            return asyncio.run(run_console(config, theme=args.theme, refresh_s=args.refresh))
     return asyncio.run(run_headless(config, as_json=args.json))
 
 
@@ -124,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             demo = prepare_demo(args.dir, fresh=args.fresh, log=lambda m: print(m, file=sys.stderr, flush=True))
             with demo.serve() as run_path:
                 return _run(load_run(run_path), args)
+        if args.command == "attach":
+            from console.app import attach_console
+
+            return asyncio.run(attach_console(_socket(args.socket), theme=args.theme, refresh_s=args.refresh))
         return asyncio.run(_remote(args))
     except ConfigError as exc:
         return _die(str(exc), EXIT_USAGE)

@@ -37,6 +37,7 @@ from .events import (
 )
 from .sources import BadLine, Prompt, SourceReader
 from .store import DatasetStore, StoreError
+from .telemetry import GpuReader, NvmlReader, read_host, scrape_metrics, server_metrics
 
 __all__ = ["Engine", "EngineError", "Redactor", "STAGES"]
 
@@ -325,10 +326,21 @@ class RunSummary:
 
 
 class Engine:
-    def __init__(self, config: RunConfig, *, clock: Callable[[], float] = time.monotonic, progress_interval_s: float = 1.0):
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        progress_interval_s: float = 1.0,
+        telemetry_interval_s: float = 2.0,
+        gpu_reader: GpuReader | None = None,
+    ):
         self.config = config
         self.clock = clock
         self.progress_interval_s = progress_interval_s
+        self.telemetry_interval_s = telemetry_interval_s
+        self.gpu_reader = gpu_reader or NvmlReader()
+        self._telemetry: dict[str, Event] = {}
         self.redact = Redactor(config.secrets())
         self._subscribers: set[Subscription] = set()
         self._log_tail: list[LogEvent] = []
@@ -365,6 +377,7 @@ class Engine:
         events += [StageState(name, StageStatus.PENDING) for name in STAGES[1:]]
         events += [runner.progress() for runner in self.runners.values()]
         events += self.endpoint_stats()
+        events += self._telemetry.values()
         events += self._log_tail[-50:]
         return events
 
@@ -517,6 +530,32 @@ class Engine:
             for stats in self.endpoint_stats():
                 self.publish(stats)
 
+    async def _telemetry_loop(self, session: aiohttp.ClientSession) -> None:
+        """GPUs and host every tick; servers' /metrics every few ticks. Never on the event loop's
+        critical path: NVML and psutil run in a thread, scrapes are plain async requests."""
+        previous: dict[str, object] = {}
+        tick = 0
+        while True:
+            try:
+                gpu = await asyncio.to_thread(self.gpu_reader.read)
+                host = await asyncio.to_thread(read_host)
+            except Exception as exc:  # noqa: BLE001 - telemetry must never stop a run
+                self.log("warning", f"telemetry: {type(exc).__name__}: {exc}")
+            else:
+                for event in (gpu, host):
+                    self._telemetry[event.kind] = event
+                    self.publish(event)
+            if tick % 3 == 0:
+                for ep in self.config.endpoints:
+                    values = await scrape_metrics(session, ep.base_url)
+                    if values is None:
+                        continue
+                    metrics, previous[ep.label] = server_metrics(ep.label, values, previous.get(ep.label), time.monotonic())
+                    self._telemetry[f"server:{ep.label}"] = metrics
+                    self.publish(metrics)
+            tick += 1
+            await asyncio.sleep(self.telemetry_interval_s)
+
     def _lock_output(self) -> None:
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
         lock = open(self.config.output_dir / ".lock", "w")
@@ -559,7 +598,11 @@ class Engine:
             self.client.on_retry = lambda reason, delay: self.log("warning", f"retry in {delay:.1f}s: {reason}")
             self.stage = StageState("generate", StageStatus.RUNNING)
             self.publish(self.stage)
-            helpers = [asyncio.create_task(self._flusher(), name="flusher"), asyncio.create_task(self._ticker(), name="ticker")]
+            helpers = [
+                asyncio.create_task(self._flusher(), name="flusher"),
+                asyncio.create_task(self._ticker(), name="ticker"),
+                asyncio.create_task(self._telemetry_loop(session), name="telemetry"),
+            ]
             try:
                 for runner in self.runners.values():
                     self._start(runner)

@@ -19,6 +19,9 @@ __all__ = [
     "DatasetState",
     "EndpointStats",
     "Event",
+    "GpuStats",
+    "HostStats",
+    "ServerMetrics",
     "Kill",
     "LogEvent",
     "Pause",
@@ -128,7 +131,44 @@ class LogEvent(Event):
     at: float = field(default_factory=time.time)
 
 
-_EVENTS: dict[str, type[Event]] = {cls.kind: cls for cls in (DatasetProgress, EndpointStats, StageState, LogEvent)}
+@dataclass(frozen=True, slots=True)
+class GpuStats(Event):
+    """Every GPU of the engine's host: (index, name, util %, mem used B, mem total B, temp C, power W);
+    any field may be None (N/A). ``error`` says why there are none ("no NVIDIA GPU")."""
+
+    kind: ClassVar[str] = "gpu"
+    gpus: tuple[tuple, ...]
+    error: str | None = None
+    at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True, slots=True)
+class HostStats(Event):
+    kind: ClassVar[str] = "host"
+    cpu_percent: float
+    mem_used: int
+    mem_total: int
+    at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerMetrics(Event):
+    """What a server says of itself on /metrics."""
+
+    kind: ClassVar[str] = "server"
+    url: str
+    software: str = ""  # "sglang", "vllm" or "none"
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    gen_tok_per_s: float | None = None
+    accept_length: float | None = None
+    at: float = field(default_factory=time.time)
+
+
+_EVENTS: dict[str, type[Event]] = {
+    cls.kind: cls for cls in (DatasetProgress, EndpointStats, StageState, LogEvent, GpuStats, HostStats, ServerMetrics)
+}
 _ENUM_FIELDS = {"state": DatasetState, "status": StageStatus}
 
 
@@ -140,6 +180,8 @@ def event_from_json(payload: dict[str, Any]) -> Event:
     for key, enum in _ENUM_FIELDS.items():
         if key in kwargs:
             kwargs[key] = enum(kwargs[key])
+    if cls is GpuStats:
+        kwargs["gpus"] = tuple(tuple(g) for g in kwargs.get("gpus", ()))
     return cls(**kwargs)
 
 

@@ -8,7 +8,17 @@ import time
 from .config import format_tokens
 from .events import DatasetProgress, EndpointStats, Event, LogEvent, StageState
 
-__all__ = ["dataset_cells", "format_duration", "format_event", "format_rate", "json_line", "status_line"]
+__all__ = [
+    "dataset_cells",
+    "format_bytes",
+    "format_duration",
+    "format_event",
+    "format_rate",
+    "json_line",
+    "progress_bar",
+    "sparkline",
+    "status_line",
+]
 
 
 def format_duration(seconds: float | None) -> str:
@@ -32,6 +42,41 @@ def format_rate(value: float) -> str:
     return f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
+_BLOCKS = " ▏▎▍▌▋▊▉█"
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def progress_bar(fraction: float, width: int = 16) -> str:
+    """A fixed-width bar with eighth-block resolution (no animation, nothing to repaint)."""
+    fraction = min(1.0, max(0.0, fraction))
+    eighths = int(round(fraction * width * 8))
+    full, part = divmod(eighths, 8)
+    bar = "█" * full + (_BLOCKS[part] if part else "")
+    return bar.ljust(width, "·")[:width]
+
+
+def sparkline(values: list[float], width: int, *, ceiling: float | None = None) -> str:
+    """The last ``width`` values (averaged into buckets when there are more) as ▁..█."""
+    if not values:
+        return ""
+    if len(values) > width:
+        step = len(values) / width
+        values = [sum(values[int(i * step) : int((i + 1) * step)] or [0.0]) / max(1, len(values[int(i * step) : int((i + 1) * step)])) for i in range(width)]
+    top = ceiling if ceiling is not None else max(values)
+    if top <= 0:
+        return _SPARK[0] * len(values)
+    return "".join(_SPARK[min(len(_SPARK) - 1, int(v / top * (len(_SPARK) - 1) + 0.5))] for v in values)
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "N/A"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 def dataset_cells(p: DatasetProgress) -> dict[str, str]:
     """The columns of a dataset row, by name; the TUI and the status line both use these."""
     state = p.state.value
@@ -41,6 +86,7 @@ def dataset_cells(p: DatasetProgress) -> dict[str, str]:
         "dataset": p.name,
         "state": state,
         "tokens": f"{format_tokens(p.tokens)}/{format_tokens(p.budget)}",
+        "bar": progress_bar(p.fraction),
         "percent": f"{100 * p.fraction:.1f}%",
         "samples": f"{p.samples:,}" + (f"/{p.max_samples:,}" if p.max_samples else ""),
         "avg": f"{p.mean_completion:.0f}",

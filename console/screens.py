@@ -1,0 +1,89 @@
+"""Modal screens: the live budget input, kill confirmation, and help."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Input, Label, Static
+
+from pipeline.config import format_tokens, parse_tokens
+
+__all__ = ["BudgetScreen", "ConfirmScreen", "HelpScreen"]
+
+
+class BudgetScreen(ModalScreen[int | None]):
+    """Ask for a new token budget (10M, 500k, 12000); dismiss with the number, or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, dataset: str, current: int):
+        super().__init__()
+        self.dataset, self.current = dataset, current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label(f"New token budget for [b]{self.dataset}[/b] (now {format_tokens(self.current)})")
+            yield Input(placeholder="e.g. 12M, 500k, 120000", id="budget-input")
+            yield Label("", id="budget-error", classes="error")
+            yield Static("[dim]Enter applies live · Esc cancels[/dim]")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        try:
+            tokens = parse_tokens(event.value)
+        except ValueError as exc:
+            self.query_one("#budget-error", Label).update(str(exc))
+            return
+        if tokens == 0:
+            self.query_one("#budget-error", Label).update("a budget of 0 stops the dataset: use kill for that")
+            return
+        self.dismiss(tokens)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
+
+    def __init__(self, question: str):
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label(self.question)
+            yield Static("[b]y[/b] yes · [b]n[/b] no")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+HELP = """\
+[b]eagleops console[/b]
+
+  [b]↑ ↓[/b]   select a dataset
+  [b]p[/b]     pause the selected dataset (in-flight requests finish)
+  [b]P[/b]     pause every dataset
+  [b]r[/b]     resume the selected dataset (a killed one restarts)
+  [b]R[/b]     resume every dataset
+  [b]b[/b]     set the selected dataset's token budget, live
+  [b]k[/b]     kill the selected dataset (asks first)
+  [b]K[/b]     kill the whole run (asks first)
+  [b]q[/b]     quit; attached, the run goes on; local, the run stops (resumable)
+  [b]?[/b]     this help
+
+Budgets take 10M, 500k or 120000. Every command is acknowledged in the log.
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Static(HELP)
+
+    def action_close(self) -> None:
+        self.dismiss(None)

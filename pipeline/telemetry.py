@@ -1,0 +1,189 @@
+"""Machine and server telemetry, published by the engine as events so an attached console sees
+the engine host's GPUs: NVML behind a small reader interface (every field may be N/A, a missing
+driver is a state, never a crash), host CPU/RAM via psutil, and Prometheus ``/metrics`` of SGLang
+and vLLM servers.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+
+from .events import GpuStats, HostStats, ServerMetrics
+
+__all__ = ["GpuReader", "NvmlReader", "StaticGpuReader", "parse_prometheus", "read_host", "scrape_metrics", "server_metrics"]
+
+
+class GpuReader(Protocol):
+    def read(self) -> GpuStats:
+        """Blocking: called through asyncio.to_thread."""
+
+
+def _na(call, *args):
+    """One NVML field, or None when this GPU/driver cannot say (NotSupported, NoPermission...)."""
+    try:
+        return call(*args)
+    except Exception:  # noqa: BLE001 - pynvml raises one NVMLError subclass per cause; all mean N/A
+        return None
+
+
+class NvmlReader:
+    """Reads NVML with a TTL cache (NVML calls can take milliseconds each on busy nodes)."""
+
+    def __init__(self, ttl_s: float = 1.0):
+        self.ttl_s = ttl_s
+        self._cached: GpuStats | None = None
+        self._at = 0.0
+        self._nvml = None
+        self._error: str | None = None
+
+    def _init(self):
+        if self._nvml is None and self._error is None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+            except Exception as exc:  # noqa: BLE001 - no library, no driver, no device: all "no GPU"
+                self._error = f"no NVIDIA GPU ({type(exc).__name__})"
+        return self._nvml
+
+    def read(self) -> GpuStats:
+        now = time.monotonic()
+        if self._cached is not None and now - self._at < self.ttl_s:
+            return self._cached
+        nvml = self._init()
+        if nvml is None:
+            stats = GpuStats(gpus=(), error=self._error or "no NVIDIA GPU")
+        else:
+            stats = self._sample(nvml)
+        self._cached, self._at = stats, now
+        return stats
+
+    def _sample(self, nvml) -> GpuStats:
+        count = _na(nvml.nvmlDeviceGetCount)
+        if count is None:
+            return GpuStats(gpus=(), error="NVML failed to count GPUs")
+        gpus = []
+        for i in range(count):
+            handle = _na(nvml.nvmlDeviceGetHandleByIndex, i)
+            if handle is None:
+                gpus.append((i, "GPU lost", None, None, None, None, None))
+                continue
+            name = _na(nvml.nvmlDeviceGetName, handle)
+            if isinstance(name, bytes):
+                name = name.decode(errors="replace")
+            util = _na(nvml.nvmlDeviceGetUtilizationRates, handle)
+            mem = _na(nvml.nvmlDeviceGetMemoryInfo, handle)
+            temp = _na(nvml.nvmlDeviceGetTemperature, handle, 0)
+            power = _na(nvml.nvmlDeviceGetPowerUsage, handle)
+            gpus.append(
+                (
+                    i,
+                    name or "?",
+                    float(util.gpu) if util is not None else None,
+                    int(mem.used) if mem is not None else None,
+                    int(mem.total) if mem is not None else None,
+                    float(temp) if temp is not None else None,
+                    power / 1000.0 if power is not None else None,
+                )
+            )
+        return GpuStats(gpus=tuple(gpus), error=None if gpus else "no NVIDIA GPU")
+
+
+class StaticGpuReader:
+    """A reader that returns what it is given: for tests and snapshots."""
+
+    def __init__(self, stats: GpuStats):
+        self.stats = stats
+
+    def read(self) -> GpuStats:
+        return self.stats
+
+
+def read_host() -> HostStats:
+    import psutil
+
+    mem = psutil.virtual_memory()
+    return HostStats(cpu_percent=psutil.cpu_percent(interval=None), mem_used=int(mem.used), mem_total=int(mem.total))
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Metric name -> value, summed over label sets (one server may report per-engine series)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            continue
+        values[match.group(1)] = values.get(match.group(1), 0.0) + value
+    return values
+
+
+@dataclass
+class _Previous:
+    at: float
+    gen_total: float
+
+
+def server_metrics(url: str, values: dict[str, float], previous: _Previous | None, now: float) -> tuple[ServerMetrics, _Previous | None]:
+    """Read SGLang's or vLLM's names into one shape; vLLM's tok/s comes from counter deltas."""
+    if any(k.startswith("sglang:") for k in values):
+        gen_total = values.get("sglang:generation_tokens_total")
+        return (
+            ServerMetrics(
+                url=url,
+                software="sglang",
+                running=values.get("sglang:num_running_reqs"),
+                waiting=values.get("sglang:num_queue_reqs"),
+                kv_usage=values.get("sglang:token_usage"),
+                gen_tok_per_s=values.get("sglang:gen_throughput"),
+                accept_length=values.get("sglang:spec_accept_length"),
+            ),
+            _Previous(now, gen_total) if gen_total is not None else None,
+        )
+    if any(k.startswith("vllm:") for k in values):
+        gen_total = values.get("vllm:generation_tokens_total")
+        rate = None
+        if gen_total is not None and previous is not None and now > previous.at and gen_total >= previous.gen_total:
+            rate = (gen_total - previous.gen_total) / (now - previous.at)
+        drafts = values.get("vllm:spec_decode_num_drafts_total")
+        accepted = values.get("vllm:spec_decode_num_accepted_tokens_total")
+        return (
+            ServerMetrics(
+                url=url,
+                software="vllm",
+                running=values.get("vllm:num_requests_running"),
+                waiting=values.get("vllm:num_requests_waiting"),
+                kv_usage=values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc")),
+                gen_tok_per_s=rate,
+                accept_length=(1 + accepted / drafts) if drafts and accepted is not None else None,
+            ),
+            _Previous(now, gen_total) if gen_total is not None else None,
+        )
+    return ServerMetrics(url=url, software="none"), None
+
+
+async def scrape_metrics(session: aiohttp.ClientSession, base_url: str) -> dict[str, float] | None:
+    """GET the server's /metrics (beside /v1); None when it has none (OpenRouter, SGLang without
+    --enable-metrics)."""
+    root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+    try:
+        async with session.get(f"{root}/metrics", timeout=aiohttp.ClientTimeout(total=3)) as response:
+            if response.status != 200:
+                return None
+            return parse_prometheus(await response.text())
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        return None
