@@ -295,7 +295,7 @@ class DatasetRunner:
         totals = self.store.accepted
         req_s, tok_s = self.meter.rates()
         remaining = self.budget - totals.tokens
-        eta = remaining / tok_s if (tok_s > 0 and remaining > 0 and not self.state.terminal) else None
+        eta = remaining / tok_s if (tok_s > 0 and remaining > 0 and self.state == DatasetState.RUNNING) else None
         return DatasetProgress(
             name=self.config.name,
             state=self.state,

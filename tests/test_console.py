@@ -1,0 +1,382 @@
+"""The Textual console: keys -> commands, events -> panes, modals, no-GPU, snapshots, attach."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from console.app import EagleOpsApp
+from console.link import LocalLink, SocketLink
+from console.widgets import DatasetsTable, GpuPane, ServerPane, StagesPane
+from pipeline.engine import Engine
+from pipeline.events import (
+    Ack,
+    DatasetProgress,
+    DatasetState,
+    EndpointStats,
+    GpuStats,
+    HostStats,
+    Kill,
+    LogEvent,
+    Pause,
+    Resume,
+    ServerMetrics,
+    SetBudget,
+    StageState,
+    StageStatus,
+)
+from pipeline.telemetry import NvmlReader, parse_prometheus, server_metrics
+
+from .conftest import make_config, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+AT = 1_780_000_000.0  # a fixed wall-clock time, so logged times are stable
+
+
+@pytest.fixture(autouse=True)
+def _utc(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.delenv("TZ")
+    time.tzset()
+
+
+def _datasets() -> list[DatasetProgress]:
+    return [
+        DatasetProgress("B1", DatasetState.DONE, 10_020_000, 10_000_000, 18_211, req_per_s=0.0, tok_per_s=0.0, reason="budget reached", at=AT),
+        DatasetProgress("B2", DatasetState.RUNNING, 4_120_000, 12_000_000, 7_530, in_flight=64, req_per_s=11.2, tok_per_s=6150.0, eta_s=1281.0, failures=3, at=AT),
+        DatasetProgress("B3", DatasetState.PAUSED, 250_000, 8_000_000, 480, at=AT),
+        DatasetProgress("B4", DatasetState.QUEUED, 0, 5_000_000, 0, at=AT),
+    ]
+
+
+def fixed_events(gpu: GpuStats | None = None) -> list:
+    url = "http://127.0.0.1:30000/v1"
+    gib = 2**30
+    return [
+        StageState("generate", StageStatus.RUNNING, at=AT),
+        *[StageState(s, StageStatus.PENDING, at=AT) for s in ("prepare", "extract", "train", "export")],
+        *_datasets(),
+        *[EndpointStats(url, 64, 25_000, 4, 11.2, v, 1.84, 3.9, at=AT) for v in (5200.0, 5900.0, 6400.0, 6150.0, 6020.0, 6300.0)],
+        ServerMetrics(url, software="sglang", running=64, waiting=12, kv_usage=0.71, gen_tok_per_s=6210.0, at=AT),
+        gpu or GpuStats(((0, "NVIDIA H200", 87.0, 120 * gib, 141 * gib, 64.0, 610.0), (1, "NVIDIA H200", None, None, None, None, None)), at=AT),
+        HostStats(12.5, 40 * gib, 256 * gib, at=AT),
+        LogEvent("info", "control socket: /tmp/eagleops-0/run.sock", at=AT),
+        LogEvent("error", "sharegpt.jsonl:412: conversations[0].role: unknown role 'robot'", "B2", at=AT),
+    ]
+
+
+class ScriptedLink:
+    """Feeds fixed events; answers commands the way an engine would (an ack + a log event)."""
+
+    attached = True
+    description = "scripted"
+
+    def __init__(self, events: list):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        for event in events:
+            self.queue.put_nowait(event)
+        self.sent: list = []
+
+    async def start(self) -> None:
+        pass
+
+    async def events(self):
+        while (event := await self.queue.get()) is not None:
+            yield event
+
+    async def send(self, command) -> Ack:
+        self.sent.append(command)
+        if isinstance(command, SetBudget) and command.dataset == "nope":
+            return Ack(False, "no dataset named 'nope'")
+        message = f"command {command.kind} {command.dataset or '*'}: ok"
+        self.queue.put_nowait(LogEvent("info", message, command.dataset, at=AT))
+        if isinstance(command, Pause) and command.dataset:
+            old = next(d for d in _datasets() if d.name == command.dataset)
+            self.queue.put_nowait(DatasetProgress(old.name, DatasetState.PAUSED, old.tokens, old.budget, old.samples, at=AT))
+        return Ack(True, "ok")
+
+    async def stop(self) -> None:
+        self.queue.put_nowait(None)
+
+
+async def _settle(pilot) -> None:
+    await pilot.pause(0.05)
+    pilot.app.refresh_panes()
+    await pilot.pause()
+
+
+def _log_lines(app) -> list[str]:
+    return [str(line) for line in app.query_one("#log").lines]
+
+
+async def test_keys_send_commands_and_panes_show_the_result():
+    link = ScriptedLink(fixed_events())
+    app = EagleOpsApp(link)
+    async with app.run_test(size=(160, 45)) as pilot:
+        await _settle(pilot)
+        table = app.query_one(DatasetsTable)
+        assert table.row_count == 4
+        await pilot.press("down")  # B2
+        await pilot.press("p")
+        await _settle(pilot)
+        assert link.sent[-1] == Pause("B2")
+        assert str(table.get_cell("B2", "state")) == "paused"
+        assert any("command pause B2: ok" in line for line in _log_lines(app))
+        await pilot.press("P", "r", "R")
+        assert link.sent[-3:] == [Pause(None), Resume("B2"), Resume(None)]
+        await pilot.press("k")
+        await pilot.pause()
+        await pilot.press("n")  # declined: nothing sent
+        assert link.sent[-1] == Resume(None)
+        await pilot.press("k")
+        await pilot.pause()
+        await pilot.press("y")
+        await pilot.pause()
+        assert link.sent[-1] == Kill("B2")
+        await pilot.press("K")
+        await pilot.pause()
+        await pilot.press("y")
+        await pilot.pause()
+        assert link.sent[-1] == Kill(None)
+
+
+async def test_budget_modal_rejects_bad_input_then_applies():
+    link = ScriptedLink(fixed_events())
+    app = EagleOpsApp(link)
+    async with app.run_test(size=(160, 45)) as pilot:
+        await _settle(pilot)
+        await pilot.press("b")
+        await pilot.pause()
+        await pilot.press(*"lots", "enter")
+        await pilot.pause()
+        error = app.screen.query_one("#budget-error")
+        assert "not a token count: 'lots'" in str(error.render())
+        assert not any(isinstance(c, SetBudget) for c in link.sent)
+        await pilot.press(*["backspace"] * 4, *"12.5M", "enter")
+        await pilot.pause()
+        assert link.sent[-1] == SetBudget("B1", 12_500_000)
+        await pilot.press("b")
+        await pilot.pause()
+        await pilot.press("escape")
+        await pilot.pause()
+        assert len([c for c in link.sent if isinstance(c, SetBudget)]) == 1
+
+
+async def test_help_screen_and_refused_commands_are_shown():
+    link = ScriptedLink(fixed_events())
+    app = EagleOpsApp(link)
+    async with app.run_test(size=(160, 45)) as pilot:
+        await _settle(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert "token budget" in str(app.screen.query_one("Static").render())
+        await pilot.press("escape")
+        await pilot.pause()
+        await app.send(SetBudget("nope", 5))
+        assert any("refused: no dataset named 'nope'" in line for line in _log_lines(app))
+
+
+async def test_no_gpu_is_a_state_not_a_crash():
+    link = ScriptedLink(fixed_events(gpu=GpuStats((), error="no NVIDIA GPU (NVMLError_LibraryNotFound)", at=AT)))
+    app = EagleOpsApp(link)
+    async with app.run_test(size=(160, 45)) as pilot:
+        await _settle(pilot)
+        assert "no NVIDIA GPU" in str(app.query_one(GpuPane).render())
+        assert "host cpu 12%" in str(app.query_one(GpuPane).render())
+
+
+def test_nvml_reader_without_a_driver_reports_no_gpu():
+    stats = NvmlReader().read()  # no NVIDIA driver on CPU machines (CI); a GPU box lists them
+    if stats.gpus:
+        pytest.skip("this machine has an NVIDIA GPU")
+    assert stats.error.startswith("no NVIDIA GPU")
+
+
+def test_nvml_fields_that_fail_read_as_na():
+    class Broken(Exception):
+        pass
+
+    class FakeNvml:
+        def nvmlDeviceGetCount(self):
+            return 1
+
+        def nvmlDeviceGetHandleByIndex(self, i):
+            return object()
+
+        def nvmlDeviceGetName(self, h):
+            return b"Tesla X"
+
+        def nvmlDeviceGetUtilizationRates(self, h):
+            raise Broken("NotSupported")
+
+        def nvmlDeviceGetMemoryInfo(self, h):
+            raise Broken("NoPermission")
+
+        def nvmlDeviceGetTemperature(self, h, sensor):
+            return 51
+
+        def nvmlDeviceGetPowerUsage(self, h):
+            raise Broken("GpuIsLost")
+
+    reader = NvmlReader()
+    stats = reader._sample(FakeNvml())
+    assert stats.gpus == ((0, "Tesla X", None, None, None, 51.0, None),)
+
+
+def test_prometheus_metrics_of_sglang_and_vllm():
+    sglang = parse_prometheus('# HELP x\nsglang:gen_throughput{model="m"} 1234.5\nsglang:num_running_reqs{a="1"} 3\nsglang:num_running_reqs{a="2"} 4\nsglang:token_usage 0.5\n')
+    metrics, _ = server_metrics("u", sglang, None, 0.0)
+    assert (metrics.software, metrics.gen_tok_per_s, metrics.running, metrics.kv_usage) == ("sglang", 1234.5, 7.0, 0.5)
+    first, previous = server_metrics("u", parse_prometheus("vllm:generation_tokens_total 1000\nvllm:num_requests_running 2\n"), None, 10.0)
+    assert first.gen_tok_per_s is None and first.running == 2
+    second, _ = server_metrics("u", parse_prometheus("vllm:generation_tokens_total 3000\nvllm:kv_cache_usage_perc 0.25\n"), previous, 12.0)
+    assert second.gen_tok_per_s == 1000.0 and second.kv_usage == 0.25
+
+
+def test_main_screen_snapshot(snap_compare):
+    async def before(pilot):
+        await _settle(pilot)
+
+    assert snap_compare(EagleOpsApp(ScriptedLink(fixed_events())), terminal_size=(160, 45), run_before=before)
+
+
+def test_light_theme_snapshot(snap_compare):
+    async def before(pilot):
+        await _settle(pilot)
+
+    assert snap_compare(EagleOpsApp(ScriptedLink(fixed_events()), theme="light"), terminal_size=(160, 45), run_before=before)
+
+
+async def test_local_console_drives_a_real_engine(tmp_path, fault_server):
+    source = write_jsonl(tmp_path / "a.jsonl", [{"id": f"p{i}", "prompt": f"x {i} [[tokens:10]] [[delay:0.05]]"} for i in range(300)])
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}], concurrency=4)
+    engine = Engine(config, progress_interval_s=0.1)
+    await engine.open()
+    link = LocalLink(engine)
+    app = EagleOpsApp(link, refresh_s=0.1)
+    async with app.run_test(size=(160, 45)) as pilot:
+        await pilot.pause(0.5)
+        table = app.query_one(DatasetsTable)
+        assert str(table.get_cell("A", "state")) == "running"
+        await pilot.press("p")
+        await pilot.pause(0.4)
+        assert engine.runners["A"].paused
+        assert str(table.get_cell("A", "state")) == "paused"
+        assert any("command pause A" in line for line in _log_lines(app))
+        await pilot.press("q")
+        await pilot.pause()
+        await pilot.press("y")
+        await pilot.pause(0.5)
+    assert link.task.done() and link.summary.killed
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run_file(tmp_path: Path, base_url: str, n: int = 2000) -> Path:
+    source = write_jsonl(tmp_path / "a.jsonl", [{"id": f"p{i}", "prompt": f"x {i} [[tokens:10]] [[delay:0.1]]"} for i in range(n)])
+    run = tmp_path / "run.toml"
+    run.write_text(
+        f'name = "att"\noutput_dir = "out"\nconcurrency = 4\n[[endpoints]]\nbase_url = "{base_url}"\nmodel = "m"\n'
+        f'[[datasets]]\nname = "B1"\npath = "{source}"\ntoken_budget = "1M"\n[[datasets]]\nname = "B2"\npath = "{source}"\ntoken_budget = "2M"\n'
+    )
+    return run
+
+
+def _wait_for_socket(timeout: float = 30) -> Path:
+    from pipeline.control import find_sockets
+
+    deadline = time.monotonic() + timeout
+    while not (found := find_sockets()):
+        assert time.monotonic() < deadline, "engine socket never appeared"
+        time.sleep(0.1)
+    return found[0]
+
+
+async def test_two_attached_consoles_see_the_same_headless_run(tmp_path, fault_server):
+    run = _run_file(tmp_path, fault_server.base_url)
+    engine = subprocess.Popen([sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        path = await asyncio.to_thread(_wait_for_socket)
+        first, second = EagleOpsApp(SocketLink(path), refresh_s=0.1), EagleOpsApp(SocketLink(path), refresh_s=0.1)
+        async with first.run_test(size=(160, 45)) as one, second.run_test(size=(160, 45)) as two:
+            await one.pause(1.0)
+            await two.pause(0.2)
+            assert first.query_one(DatasetsTable).row_count == 2
+            await one.press("p")  # pause B1 from the first console
+            for _ in range(40):
+                await two.pause(0.1)
+                if str(second.query_one(DatasetsTable).get_cell("B1", "state")) == "paused":
+                    break
+            assert str(second.query_one(DatasetsTable).get_cell("B1", "state")) == "paused"
+            assert any("command pause B1" in line for line in _log_lines(second))
+            await one.press("q")  # detach: no confirmation, the run goes on
+            await one.pause(0.3)
+        assert engine.poll() is None
+        from pipeline.control import ControlClient
+
+        client = ControlClient(path)
+        status = await client.status()
+        assert {e.name: e.state for e in status if isinstance(e, DatasetProgress)}["B1"] == DatasetState.PAUSED
+        await client.send(Kill())
+        await client.close()
+        assert await asyncio.to_thread(engine.wait, 30) == 130
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
+def test_the_real_program_in_a_terminal(tmp_path, fault_server):
+    """What a person sees: `eagleops run` in tmux, keys typed, the screen read back."""
+    run = _run_file(tmp_path, fault_server.base_url)
+    session = f"eo{os.getpid()}"
+    exit_file = tmp_path / "exit"
+    env_prefix = f"cd {ROOT} && PYTHONPATH={ROOT} EAGLEOPS_RUNTIME_DIR={os.environ['EAGLEOPS_RUNTIME_DIR']}"
+    command = f"{env_prefix} {sys.executable} -m console.cli run {run}; echo $? > {exit_file}"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "45", command], check=True)
+
+    def screen() -> str:
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+
+    def wait_screen(needle: str, timeout: float = 30) -> str:
+        deadline = time.monotonic() + timeout
+        while needle not in (text := screen()):
+            assert time.monotonic() < deadline, f"{needle!r} never shown:\n{text}"
+            time.sleep(0.2)
+        return text
+
+    def keys(*k: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", session, *k], check=True)
+
+    try:
+        text = wait_screen("running")
+        assert "B1" in text and "B2" in text and "Stages" in text and "no NVIDIA GPU" in text
+        keys("p")
+        wait_screen("command pause B1")
+        keys("Down", "b")
+        wait_screen("New token budget for B2")
+        keys("7", "M", "Enter")
+        wait_screen("budget B2: 2M -> 7M")
+        keys("q")
+        wait_screen("Quit and stop the run?")
+        keys("y")
+        deadline = time.monotonic() + 30
+        while not exit_file.exists():
+            assert time.monotonic() < deadline, screen()
+            time.sleep(0.2)
+        assert exit_file.read_text().strip() == "130"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
