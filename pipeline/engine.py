@@ -37,7 +37,7 @@ from .events import (
 )
 from .sources import BadLine, Prompt, SourceReader
 from .store import DatasetStore, StoreError
-from .telemetry import GpuReader, NvmlReader, read_host, scrape_metrics, server_metrics
+from .telemetry import GpuReader, gpu_reader_from_env, read_host, scrape_metrics, server_metrics
 
 __all__ = ["Engine", "EngineError", "Redactor", "STAGES"]
 
@@ -339,7 +339,7 @@ class Engine:
         self.clock = clock
         self.progress_interval_s = progress_interval_s
         self.telemetry_interval_s = telemetry_interval_s
-        self.gpu_reader = gpu_reader or NvmlReader()
+        self.gpu_reader = gpu_reader or gpu_reader_from_env()
         self._telemetry: dict[str, Event] = {}
         self.redact = Redactor(config.secrets())
         self._subscribers: set[Subscription] = set()

@@ -6,6 +6,7 @@ and vLLM servers.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ import aiohttp
 
 from .events import GpuStats, HostStats, ServerMetrics
 
-__all__ = ["GpuReader", "NvmlReader", "StaticGpuReader", "parse_prometheus", "read_host", "scrape_metrics", "server_metrics"]
+__all__ = ["GpuReader", "NvmlReader", "StaticGpuReader", "SyntheticGpuReader", "gpu_reader_from_env", "parse_prometheus", "read_host", "scrape_metrics", "server_metrics"]
 
 
 class GpuReader(Protocol):
@@ -103,6 +104,32 @@ class StaticGpuReader:
 
     def read(self) -> GpuStats:
         return self.stats
+
+
+class SyntheticGpuReader:
+    """Plausible moving numbers for one GPU: for demos and benchmarks on machines without one
+    (``EAGLEOPS_GPU_READER=synthetic``)."""
+
+    def __init__(self, count: int = 1):
+        self.count = count
+        self._start = time.monotonic()
+
+    def read(self) -> GpuStats:
+        import math
+
+        t = time.monotonic() - self._start
+        gib = 2**30
+        gpus = tuple(
+            (i, "Synthetic H200", 70 + 25 * math.sin(t / 7 + i), int((90 + 10 * math.sin(t / 30)) * gib), 141 * gib, 60 + 5 * math.sin(t / 50), 500 + 100 * math.sin(t / 9))
+            for i in range(self.count)
+        )
+        return GpuStats(gpus=gpus)
+
+
+def gpu_reader_from_env() -> GpuReader:
+    if os.environ.get("EAGLEOPS_GPU_READER") == "synthetic":
+        return SyntheticGpuReader()
+    return NvmlReader()
 
 
 def read_host() -> HostStats:

@@ -129,7 +129,7 @@ async def test_keys_send_commands_and_panes_show_the_result():
         await pilot.press("p")
         await _settle(pilot)
         assert link.sent[-1] == Pause("B2")
-        assert str(table.get_cell("B2", "state")) == "paused"
+        assert table.cell("B2", "state") == "paused"
         assert any("command pause B2: ok" in line for line in _log_lines(app))
         await pilot.press("P", "r", "R")
         assert link.sent[-3:] == [Pause(None), Resume("B2"), Resume(None)]
@@ -266,11 +266,11 @@ async def test_local_console_drives_a_real_engine(tmp_path, fault_server):
     async with app.run_test(size=(160, 45)) as pilot:
         await pilot.pause(0.5)
         table = app.query_one(DatasetsTable)
-        assert str(table.get_cell("A", "state")) == "running"
+        assert table.cell("A", "state") == "running"
         await pilot.press("p")
         await pilot.pause(0.4)
         assert engine.runners["A"].paused
-        assert str(table.get_cell("A", "state")) == "paused"
+        assert table.cell("A", "state") == "paused"
         assert any("command pause A" in line for line in _log_lines(app))
         await pilot.press("q")
         await pilot.pause()
@@ -318,9 +318,9 @@ async def test_two_attached_consoles_see_the_same_headless_run(tmp_path, fault_s
             await one.press("p")  # pause B1 from the first console
             for _ in range(40):
                 await two.pause(0.1)
-                if str(second.query_one(DatasetsTable).get_cell("B1", "state")) == "paused":
+                if second.query_one(DatasetsTable).cell("B1", "state") == "paused":
                     break
-            assert str(second.query_one(DatasetsTable).get_cell("B1", "state")) == "paused"
+            assert second.query_one(DatasetsTable).cell("B1", "state") == "paused"
             assert any("command pause B1" in line for line in _log_lines(second))
             await one.press("q")  # detach: no confirmation, the run goes on
             await one.pause(0.3)
