@@ -209,9 +209,9 @@ def _any_running(app: EagleOpsApp) -> bool:
     return any(d.state in (DatasetState.RUNNING, DatasetState.PAUSED) for d in app.state.datasets.values())
 
 
-async def run_console(config: RunConfig, *, theme: str = "dark", refresh_s: float = 1.0) -> int:
+async def run_console(config: RunConfig, *, theme: str = "dark", refresh_s: float = 1.0, stages: tuple[str, ...] | None = None) -> int:
     """``eagleops run`` with the TUI: engine and console in one event loop, socket served too."""
-    engine = Engine(config)
+    engine = Engine(config, stages=stages)
     await engine.open()
     server = ControlServer(engine, socket_path_for(config.name, config.output_dir))
     try:

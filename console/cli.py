@@ -34,6 +34,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("run_file", type=Path)
     add_view_flags(run)
 
+    for stage, what in (
+        ("prepare", "merge, dedupe, shuffle, template, tokenize, loss masks, draft vocabulary"),
+        ("extract", "run the target and store the hidden states EAGLE-3 trains on"),
+        ("train", "train the drafter (torchrun --nproc_per_node N -m console.cli train ... for DDP)"),
+        ("export", "write the drafter for SGLang/vLLM (config.json + safetensors)"),
+        ("eval", "offline acceptance length by speculative decoding on held-out prompts"),
+    ):
+        p = sub.add_parser(stage, help=what)
+        p.add_argument("run_file", type=Path)
+        add_view_flags(p)
+
     demo = sub.add_parser("demo", help="offline end-to-end run on a tiny local model")
     demo.add_argument("--dir", type=Path, default=Path("eagleops-demo"), help="where the demo keeps its files")
     demo.add_argument("--fresh", action="store_true", help="discard the demo's earlier output and generate again")
@@ -109,17 +120,46 @@ async def _remote(args: argparse.Namespace) -> int:
         await client.close()
 
 
-def _run(config, args: argparse.Namespace) -> int:
+STAGE_COMMANDS = ("prepare", "extract", "train", "export", "eval")
+
+
+def _distributed_stage(config, stage: str) -> int:
+    """Under torchrun every rank runs the stage itself (no engine, socket or lock); rank 0 talks."""
+    from pipeline.report import format_event
+    from pipeline.stagectl import StageContext, StageKilled
+    from pipeline.stages import stage_functions
+
+    def emit(event) -> None:
+        if (line := format_event(event)) is not None:
+            print(line, flush=True)
+
+    rank = int(os.environ.get("RANK", "0"))
+    ctx = StageContext(stage, emit, rank=rank)
+    try:
+        stage_functions()[stage](config, ctx)
+    except StageKilled:
+        return 130
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _run(config, args: argparse.Namespace, stages: tuple[str, ...] | None = None) -> int:
     from pipeline.headless import run_headless
 
+    if stages is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _distributed_stage(config, stages[0])
     if not (args.no_tui or args.json):
         if not sys.stdout.isatty():
             print("eagleops: stdout is not a terminal; running headless (--no-tui)", file=sys.stderr)
         else:
             from console.app import run_console
 
-            return asyncio.run(run_console(config, theme=args.theme, refresh_s=args.refresh))
-    return asyncio.run(run_headless(config, as_json=args.json))
+            return asyncio.run(run_console(config, theme=args.theme, refresh_s=args.refresh, stages=stages))
+    return asyncio.run(run_headless(config, as_json=args.json, stages=stages))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(load_run(args.run_file), args)
+        if args.command in STAGE_COMMANDS:
+            config = load_run(args.run_file)
+            if config.target is None:
+                return _die(f"{args.run_file}: {args.command} needs a [target] table naming the target model", EXIT_USAGE)
+            return _run(config, args, stages=(args.command,))
         if args.command == "demo":
             from pipeline.demo import prepare_demo
 

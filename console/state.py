@@ -9,7 +9,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pipeline.events import DatasetProgress, EndpointStats, Event, GpuStats, HostStats, ServerMetrics, StageState
+from pipeline.events import (
+    DatasetProgress,
+    EndpointStats,
+    Event,
+    GpuStats,
+    HostStats,
+    ServerMetrics,
+    StageMetrics,
+    StageProgress,
+    StageState,
+)
 
 HISTORY = 300  # samples kept for sparklines (5 minutes at the engine's 1 Hz)
 
@@ -24,6 +34,9 @@ class ConsoleState:
     host: HostStats | None = None
     gpu_history: dict[int, deque] = field(default_factory=dict)
     throughput: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    stage_progress: dict[str, StageProgress] = field(default_factory=dict)
+    stage_metrics: dict[str, dict] = field(default_factory=dict)
+    train_loss: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     version: int = 0  # bumped on every change; a widget repaints only when it moved
 
     def apply(self, event: Event) -> None:
@@ -45,5 +58,11 @@ class ConsoleState:
                 history.append(gpu[2] if gpu[2] is not None else 0.0)
         elif isinstance(event, HostStats):
             self.host = event
+        elif isinstance(event, StageProgress):
+            self.stage_progress[event.stage] = event
+        elif isinstance(event, StageMetrics):
+            self.stage_metrics.setdefault(event.stage, {}).update(event.values)
+            if event.stage == "train" and "step" in event.values and "loss" in event.values:
+                self.train_loss.append(float(event.values["loss"]))
         else:
             self.version -= 1

@@ -12,7 +12,7 @@ from textual.widget import Widget
 
 from pipeline.engine import STAGES
 from pipeline.events import DatasetProgress, StageStatus
-from pipeline.report import dataset_cells, format_bytes, format_rate, sparkline
+from pipeline.report import dataset_cells, format_bytes, format_duration, format_rate, sparkline
 
 from .state import ConsoleState
 
@@ -191,11 +191,13 @@ class GpuPane(_TextPane):
                 temp_s = "N/A" if temp is None else f"{temp:.0f}°C"
                 power_s = "N/A" if power is None else f"{power:.0f} W"
                 lines.append(f"{index} {name[:22]}")
-                lines.append(f"  util {_pct(util):>4}  mem {format_bytes(used)} / {format_bytes(total)}  {temp_s}  {power_s}")
+                lines.append(f"  util {_pct(util):>4}  {temp_s}  {power_s}")
+                lines.append(f"  mem {format_bytes(used)} / {format_bytes(total)}")
                 lines.append("  " + sparkline(list(state.gpu_history.get(index, [])), width, ceiling=100.0))
         if state.host is not None:
             host = state.host
-            lines.append(f"host cpu {host.cpu_percent:.0f}%  ram {format_bytes(host.mem_used)} / {format_bytes(host.mem_total)}")
+            lines.append(f"host cpu {host.cpu_percent:.0f}%")
+            lines.append(f"  ram {format_bytes(host.mem_used)} / {format_bytes(host.mem_total)}")
         self.show_text("\n".join(lines))
 
 
@@ -247,10 +249,22 @@ class StagesPane(_TextPane):
     def __init__(self, **kwargs):
         super().__init__("Stages", **kwargs)
 
-    def render_state(self, state: ConsoleState) -> None:
+    def render_state(self, state: ConsoleState, width: int = 30) -> None:
         lines = []
         for name in STAGES:
             stage = state.stages.get(name)
             status = stage.status if stage else StageStatus.PENDING
-            lines.append(f"{_STAGE_MARK[status]} {name:<9} {status.value}")
+            line = f"{_STAGE_MARK[status]} {name:<9} {status.value:<8}"
+            progress = state.stage_progress.get(name)
+            if progress is not None and progress.total and status in (StageStatus.RUNNING, StageStatus.PAUSED):
+                line += f" {100 * progress.done / progress.total:5.1f}% ETA {format_duration(progress.eta_s)}"
+            lines.append(line)
+        train = state.stage_metrics.get("train", {})
+        if "loss" in train:
+            acc = train.get("acc") or []
+            lines.append(f"train step {train.get('step', '?')} loss {train['loss']:.3f}" + (f" acc {acc[0]:.2f}" if acc else ""))
+            lines.append(sparkline(list(state.train_loss), width))
+        evaluation = state.stage_metrics.get("eval", {})
+        if "acceptance_length" in evaluation:
+            lines.append(f"acceptance length {evaluation['acceptance_length']:.2f}")
         self.show_text("\n".join(lines))

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ALL_STAGES",
     "ConfigError",
+    "EvalConfig",
+    "ExtractConfig",
+    "PrepareConfig",
+    "TargetConfig",
+    "TrainConfig",
     "DatasetConfig",
     "EndpointConfig",
     "RetryConfig",
@@ -119,6 +125,61 @@ class DatasetConfig:
 
 
 @dataclass(frozen=True)
+class TargetConfig:
+    """The target model for the ML stages: a local transformers checkpoint (no hub downloads)."""
+
+    model: Path
+    tokenizer: Path | None = None
+    dtype: str = "auto"  # auto: bf16 where the device supports it, else fp32
+    device: str = "auto"  # auto: cuda if available, else cpu
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.tokenizer or self.model
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    max_length: int = 2048
+    seed: int = 0
+    draft_vocab_size: int = 32000
+    eval_fraction: float = 0.05
+    eval_max: int = 200
+    extra: tuple[Path, ...] = ()  # pre-tokenized JSONL: {"input_ids": [...], "loss_mask": [...]}
+    shard_samples: int = 4096
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    aux_layers: tuple[int, ...] | None = None  # None: [1, N//2 - 1, N - 4] as EAGLE-3
+    batch_tokens: int = 8192
+    shard_samples: int = 256
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 5
+    lr: float = 3e-5
+    batch_size: int = 1
+    ttt_length: int = 7
+    step_weight: float = 0.8
+    warmup_ratio: float = 0.015
+    max_grad_norm: float = 0.5
+    weight_decay: float = 0.0
+    seed: int = 0
+    checkpoint_every: int = 200
+    max_steps: int = 0  # 0: no cap
+    log_every: int = 10
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    prompts: int = 20
+    max_new_tokens: int = 64
+    draft_tokens: int = 4
+
+
+@dataclass(frozen=True)
 class RunConfig:
     source: Path
     output_dir: Path
@@ -132,6 +193,28 @@ class RunConfig:
     cancel_in_flight_over_budget: bool = False
     flush_interval_s: float = 0.5
     status_interval_s: float = 5.0
+    target: TargetConfig | None = None
+    prepare: PrepareConfig = PrepareConfig()
+    extract: ExtractConfig = ExtractConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    stages: tuple[str, ...] = ("generate",)
+
+    @property
+    def prepared_dir(self) -> Path:
+        return self.output_dir / "prepared"
+
+    @property
+    def features_dir(self) -> Path:
+        return self.output_dir / "features"
+
+    @property
+    def train_dir(self) -> Path:
+        return self.output_dir / "train"
+
+    @property
+    def export_dir(self) -> Path:
+        return self.output_dir / "drafter"
 
     def dataset(self, name: str) -> DatasetConfig:
         for ds in self.datasets:
@@ -199,6 +282,97 @@ class _Table:
             hint = difflib.get_close_matches(key, sorted(self.used), n=1)
             suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
             raise self.fail(key, f"unknown key{suggestion}")
+
+
+ALL_STAGES = ("generate", "prepare", "extract", "train", "export", "eval")
+
+
+def _parse_ml(top: _Table, origin: str, resolve) -> dict[str, Any]:
+    """The optional [target], [prepare], [extract], [train] and [eval] tables."""
+    out: dict[str, Any] = {}
+    raw_target = top.get("target", dict, None)
+    if raw_target is not None:
+        t = _Table(raw_target, "target", origin)
+        tokenizer = t.get("tokenizer", str, None)
+        dtype = t.get("dtype", str, "auto")
+        if dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise t.fail("dtype", f"must be auto, bfloat16, float16 or float32, got {dtype!r}")
+        out["target"] = TargetConfig(
+            model=resolve(t.get("model", str, required=True)),
+            tokenizer=resolve(tokenizer) if tokenizer else None,
+            dtype=dtype,
+            device=t.get("device", str, "auto"),
+        )
+        t.finish()
+
+    t = _Table(top.get("prepare", dict, {}), "prepare", origin)
+    fraction = t.get("eval_fraction", float, 0.05)
+    if not 0 <= fraction < 1:
+        raise t.fail("eval_fraction", "must be in [0, 1)")
+    extra = t.get("extra", list, [])
+    if not all(isinstance(e, str) for e in extra):
+        raise t.fail("extra", "must be a list of paths")
+    out["prepare"] = PrepareConfig(
+        max_length=t.positive_int("max_length", 2048),
+        seed=t.get("seed", int, 0),
+        draft_vocab_size=t.positive_int("draft_vocab_size", 32000),
+        eval_fraction=fraction,
+        eval_max=t.get("eval_max", int, 200),
+        extra=tuple(resolve(e) for e in extra),
+        shard_samples=t.positive_int("shard_samples", 4096),
+    )
+    t.finish()
+
+    t = _Table(top.get("extract", dict, {}), "extract", origin)
+    layers = t.get("aux_layers", list, None)
+    if layers is not None and (len(layers) != 3 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)):
+        raise t.fail("aux_layers", "must be three layer indices (low, middle, high), e.g. [1, 15, 28]")
+    out["extract"] = ExtractConfig(
+        aux_layers=tuple(layers) if layers is not None else None,
+        batch_tokens=t.positive_int("batch_tokens", 8192),
+        shard_samples=t.positive_int("shard_samples", 256),
+    )
+    t.finish()
+
+    t = _Table(top.get("train", dict, {}), "train", origin)
+    train = TrainConfig(
+        epochs=t.positive_int("epochs", 5),
+        lr=t.get("lr", float, 3e-5),
+        batch_size=t.positive_int("batch_size", 1),
+        ttt_length=t.positive_int("ttt_length", 7),
+        step_weight=t.get("step_weight", float, 0.8),
+        warmup_ratio=t.get("warmup_ratio", float, 0.015),
+        max_grad_norm=t.get("max_grad_norm", float, 0.5),
+        weight_decay=t.get("weight_decay", float, 0.0),
+        seed=t.get("seed", int, 0),
+        checkpoint_every=t.positive_int("checkpoint_every", 200),
+        max_steps=t.get("max_steps", int, 0),
+        log_every=t.positive_int("log_every", 10),
+    )
+    if train.lr <= 0:
+        raise t.fail("lr", "must be positive")
+    if not 0 <= train.warmup_ratio < 1:
+        raise t.fail("warmup_ratio", "must be in [0, 1)")
+    out["train"] = train
+    t.finish()
+
+    t = _Table(top.get("eval", dict, {}), "eval", origin)
+    out["eval"] = EvalConfig(
+        prompts=t.positive_int("prompts", 20),
+        max_new_tokens=t.positive_int("max_new_tokens", 64),
+        draft_tokens=t.positive_int("draft_tokens", 4),
+    )
+    t.finish()
+
+    default = ALL_STAGES if "target" in out else ("generate",)
+    stages = t_stages = top.get("stages", list, list(default))
+    unknown = [s for s in t_stages if s not in ALL_STAGES]
+    if unknown:
+        raise top.fail("stages", f"unknown stage(s) {', '.join(map(repr, unknown))}; stages are {', '.join(ALL_STAGES)}")
+    if "target" not in out and any(s != "generate" for s in stages):
+        raise top.fail("stages", "the ML stages need a [target] table naming the target model")
+    out["stages"] = tuple(s for s in ALL_STAGES if s in stages)
+    return out
 
 
 def _kind_names(kinds: tuple[type, ...]) -> str:
@@ -309,9 +483,11 @@ def parse_run(data: dict[str, Any], *, origin: str = "<run>", base_dir: Path | N
             )
         )
         t.finish()
+    ml = _parse_ml(top, origin, resolve)
     top.finish()
 
     return RunConfig(
+        **ml,
         source=Path(origin),
         output_dir=output_dir,
         datasets=tuple(datasets),

@@ -21,11 +21,13 @@ from .tinymodel import build_tiny_model, sample_text
 
 __all__ = ["DemoRun", "prepare_demo", "start_server", "write_demo_datasets"]
 
+TINY_PRETRAIN_STEPS = 120  # a real (if tiny) language model: its next token has structure to learn
+
 DATASETS = (
     # name, file, format, token budget
-    ("B1", "sharegpt.jsonl", "conversations", 8000),
-    ("B2", "ultrachat.jsonl", "messages", 6000),
-    ("B3", "prompts.jsonl", "prompt", 4000),
+    ("B1", "sharegpt.jsonl", "conversations", 3000),
+    ("B2", "ultrachat.jsonl", "messages", 2500),
+    ("B3", "prompts.jsonl", "prompt", 2000),
 )
 
 
@@ -117,6 +119,27 @@ class DemoRun:
         ]
         for name, file, fmt, budget in DATASETS:
             lines += ["", "[[datasets]]", f'name = "{name}"', f'path = "data/{file}"', f'format = "{fmt}"', f"token_budget = {budget}"]
+        lines += [
+            "",
+            "# The ML stages, sized for a tiny target on two CPU cores.",
+            "[target]",
+            f'model = "{self.model_dir.name}"',
+            "[prepare]",
+            "draft_vocab_size = 256",
+            "[extract]",
+            "shard_samples = 128",
+            "[train]",
+            "epochs = 2",
+            "lr = 3e-3",
+            "batch_size = 4",
+            "ttt_length = 4",
+            "warmup_ratio = 0.05",
+            "checkpoint_every = 100",
+            "[eval]",
+            "prompts = 20",
+            "max_new_tokens = 64",
+            "draft_tokens = 4",
+        ]
         self.run_path.write_text("\n".join(lines) + "\n")
         return self.run_path
 
@@ -134,7 +157,7 @@ def prepare_demo(directory: Path, *, fresh: bool = False, log: Callable[[str], N
     model_dir = directory / "tiny-llama"
     if not (model_dir / "eagleops-tiny.json").exists():
         log(f"building the tiny target model and tokenizer in {model_dir} (once) ...")
-    build_tiny_model(model_dir, stop_bias=3.0)
+    build_tiny_model(model_dir, pretrain_steps=TINY_PRETRAIN_STEPS)
     if not (directory / "data" / "prompts.jsonl").exists():
         write_demo_datasets(directory / "data")
     log(f"demo files in {directory}; starting the model server on 127.0.0.1 ...")

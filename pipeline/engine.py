@@ -14,12 +14,12 @@ import fcntl
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from .client import ChatClient, Completion, EndpointPool, PermanentFailure, RateMeter, TokenCounter
-from .config import DatasetConfig, RunConfig, format_tokens
+from .config import ALL_STAGES, DatasetConfig, RunConfig, format_tokens
 from .events import (
     Ack,
     Command,
@@ -36,12 +36,13 @@ from .events import (
     StageStatus,
 )
 from .sources import BadLine, Prompt, SourceReader
+from .stagectl import StageContext, StageKilled
 from .store import DatasetStore, StoreError
 from .telemetry import GpuReader, gpu_reader_from_env, read_host, scrape_metrics, server_metrics
 
 __all__ = ["Engine", "EngineError", "Redactor", "STAGES"]
 
-STAGES = ("generate", "prepare", "extract", "train", "export")
+STAGES = ALL_STAGES
 _FLUSH_RECORDS = 256
 _READ_BATCH = 256
 
@@ -319,10 +320,15 @@ class DatasetRunner:
 class RunSummary:
     datasets: list[DatasetProgress]
     killed: bool
+    stages: dict[str, StageStatus] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return not self.killed and all(d.state == DatasetState.DONE for d in self.datasets)
+        return (
+            not self.killed
+            and all(d.state == DatasetState.DONE for d in self.datasets)
+            and all(s in (StageStatus.DONE, StageStatus.PENDING) for s in self.stages.values())
+        )
 
 
 class Engine:
@@ -334,6 +340,7 @@ class Engine:
         progress_interval_s: float = 1.0,
         telemetry_interval_s: float = 2.0,
         gpu_reader: GpuReader | None = None,
+        stages: tuple[str, ...] | None = None,
     ):
         self.config = config
         self.clock = clock
@@ -345,7 +352,10 @@ class Engine:
         self._subscribers: set[Subscription] = set()
         self._log_tail: list[LogEvent] = []
         self.runners: dict[str, DatasetRunner] = {}
-        self.stage = StageState("generate", StageStatus.PENDING)
+        self.stages = tuple(stages) if stages is not None else config.stages
+        self.stage_states: dict[str, StageState] = {name: StageState(name, StageStatus.PENDING) for name in STAGES}
+        self.stage_results: dict[str, object] = {}
+        self._stage_ctx: StageContext | None = None
         self.slots = asyncio.Semaphore(config.concurrency)
         self.pool = EndpointPool(config.endpoints)
         self.client: ChatClient  # set in run()
@@ -373,8 +383,7 @@ class Engine:
         self.publish(LogEvent(level, self.redact(message), dataset))
 
     def snapshot(self) -> list[Event]:
-        events: list[Event] = [self.stage]
-        events += [StageState(name, StageStatus.PENDING) for name in STAGES[1:]]
+        events: list[Event] = list(self.stage_states.values())
         events += [runner.progress() for runner in self.runners.values()]
         events += self.endpoint_stats()
         events += self._telemetry.values()
@@ -405,6 +414,12 @@ class Engine:
 
     # ---- commands -----------------------------------------------------------------------------
     async def execute(self, command: Command) -> Ack:
+        if command.dataset in STAGES and command.dataset not in self.runners:
+            ack = self._stage_command(command)
+            self.log("info" if ack.ok else "warning", f"command {command.kind} {command.dataset}: {ack.message}")
+            return ack
+        if command.dataset is None and self._stage_ctx is not None and isinstance(command, (Pause, Resume)):
+            self._stage_command(type(command)(self._stage_ctx.stage))
         targets = self._targets(command.dataset)
         if targets is None:
             return Ack(False, f"no dataset named {command.dataset!r} (have: {', '.join(self.runners)})")
@@ -443,6 +458,24 @@ class Engine:
             ack = Ack(False, f"unknown command {command!r}")
         self.log("info" if ack.ok else "warning", f"command {command.kind} {command.dataset or '*'}: {ack.message}", command.dataset)
         return ack
+
+    def _stage_command(self, command: Command) -> Ack:
+        ctx = self._stage_ctx
+        if ctx is None or ctx.stage != command.dataset:
+            running = ctx.stage if ctx is not None else "none"
+            return Ack(False, f"stage {command.dataset} is not running (running: {running})")
+        if isinstance(command, Pause):
+            ctx.pause()
+            self._set_stage(ctx.stage, StageStatus.PAUSED, "pauses at its next batch")
+            return Ack(True, f"paused {ctx.stage} (at its next batch boundary)")
+        if isinstance(command, Resume):
+            ctx.resume()
+            self._set_stage(ctx.stage, StageStatus.RUNNING)
+            return Ack(True, f"resumed {ctx.stage}")
+        if isinstance(command, Kill):
+            self.kill()
+            return Ack(True, f"killing {ctx.stage}: it stops at its next batch, its work so far kept")
+        return Ack(False, f"{command.kind} does not apply to a stage")
 
     def _targets(self, name: str | None) -> list[DatasetRunner] | None:
         if name is None:
@@ -483,6 +516,8 @@ class Engine:
         if self._killed:
             return
         self._killed = True
+        if self._stage_ctx is not None:
+            self._stage_ctx.kill()
         for runner in self.runners.values():
             if runner.task is not None and not runner.task.done():
                 runner.task.cancel()
@@ -571,6 +606,8 @@ class Engine:
     async def open(self) -> None:
         """Lock the output directory and recover every dataset's store (O(1) per dataset)."""
         self._lock_output()
+        if "generate" not in self.stages:
+            return
         for ds in self.config.datasets:
             store = DatasetStore(self.config.output_dir / ds.name, ds.name, ds.path)
             try:
@@ -590,49 +627,23 @@ class Engine:
                 self.log("info", f"{ds.name}: budget {format_tokens(store.budget_override)} (set live; run file says {format_tokens(ds.token_budget)})", ds.name)
 
     async def run(self) -> RunSummary:
-        if not self.runners:
+        if self._lock_file is None:
             await self.open()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
         async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
-            self.client = ChatClient(session, self.pool, self.config.sampling, self.config.retry, TokenCounter(self.config.tokenizer))
-            self.client.on_retry = lambda reason, delay: self.log("warning", f"retry in {delay:.1f}s: {reason}")
-            self.stage = StageState("generate", StageStatus.RUNNING)
-            self.publish(self.stage)
-            helpers = [
-                asyncio.create_task(self._flusher(), name="flusher"),
-                asyncio.create_task(self._ticker(), name="ticker"),
-                asyncio.create_task(self._telemetry_loop(session), name="telemetry"),
-            ]
+            telemetry = asyncio.create_task(self._telemetry_loop(session), name="telemetry")
             try:
-                for runner in self.runners.values():
-                    self._start(runner)
-                while True:
-                    live = [r.task for r in self.runners.values() if r.task is not None and not r.task.done()]
-                    if not live:
+                if "generate" in self.stages:
+                    await self._generate(session)
+                for name in self.stages:
+                    if name == "generate":
+                        continue
+                    if self._killed or self._stage_failed():
                         break
-                    self._changed.clear()
-                    await self._changed.wait()
+                    await self._compute_stage(name)
             finally:
-                if any(r.task is not None and not r.task.done() for r in self.runners.values()):
-                    self.kill()
-                for runner in self.runners.values():
-                    if runner.task is not None:
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await runner.task
-                for task in helpers:
-                    task.cancel()
-                await asyncio.gather(*helpers, return_exceptions=True)
-                for runner in self.runners.values():
-                    await asyncio.shield(self.flush_store(runner.store, force_manifest=True))
-        states = [r.progress() for r in self.runners.values()]
-        if self._killed:
-            status = StageStatus.KILLED
-        elif any(s.state == DatasetState.FAILED for s in states):
-            status = StageStatus.FAILED
-        else:
-            status = StageStatus.DONE
-        self.stage = StageState("generate", status)
-        self.publish(self.stage)
+                telemetry.cancel()
+                await asyncio.gather(telemetry, return_exceptions=True)
         for event in self.endpoint_stats():
             self.publish(event)
         for sub in list(self._subscribers):
@@ -640,4 +651,68 @@ class Engine:
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
-        return RunSummary(states, self._killed)
+        return RunSummary([r.progress() for r in self.runners.values()], self._killed, {k: v.status for k, v in self.stage_states.items()})
+
+    def _stage_failed(self) -> bool:
+        return any(state.status == StageStatus.FAILED for state in self.stage_states.values())
+
+    def _set_stage(self, name: str, status: StageStatus, detail: str = "") -> None:
+        self.stage_states[name] = StageState(name, status, detail)
+        self.publish(self.stage_states[name])
+
+    async def _generate(self, session: aiohttp.ClientSession) -> None:
+        self.client = ChatClient(session, self.pool, self.config.sampling, self.config.retry, TokenCounter(self.config.tokenizer))
+        self.client.on_retry = lambda reason, delay: self.log("warning", f"retry in {delay:.1f}s: {reason}")
+        self._set_stage("generate", StageStatus.RUNNING)
+        helpers = [asyncio.create_task(self._flusher(), name="flusher"), asyncio.create_task(self._ticker(), name="ticker")]
+        try:
+            for runner in self.runners.values():
+                self._start(runner)
+            while True:
+                live = [r.task for r in self.runners.values() if r.task is not None and not r.task.done()]
+                if not live:
+                    break
+                self._changed.clear()
+                await self._changed.wait()
+        finally:
+            if any(r.task is not None and not r.task.done() for r in self.runners.values()):
+                self.kill()
+            for runner in self.runners.values():
+                if runner.task is not None:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await runner.task
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            for runner in self.runners.values():
+                await asyncio.shield(self.flush_store(runner.store, force_manifest=True))
+        for runner in self.runners.values():
+            self.publish(runner.progress())
+        states = [r.state for r in self.runners.values()]
+        if self._killed:
+            self._set_stage("generate", StageStatus.KILLED)
+        elif DatasetState.FAILED in states:
+            self._set_stage("generate", StageStatus.FAILED, "a dataset failed")
+        else:
+            self._set_stage("generate", StageStatus.DONE)
+
+    async def _compute_stage(self, name: str) -> None:
+        """A torch stage in a worker thread; its events cross back to the loop thread-safely."""
+        from .stages import stage_functions
+
+        loop = asyncio.get_running_loop()
+        ctx = StageContext(name, lambda event: loop.call_soon_threadsafe(self.publish, event))
+        self._stage_ctx = ctx
+        self._set_stage(name, StageStatus.RUNNING)
+        try:
+            result = await asyncio.to_thread(stage_functions()[name], self.config, ctx)
+        except StageKilled:
+            self._set_stage(name, StageStatus.KILLED, "killed; resumable")
+        except Exception as exc:  # noqa: BLE001 - a failed stage is reported, the run stops cleanly
+            self.log("error", self.redact(f"{name}: {type(exc).__name__}: {exc}"))
+            self._set_stage(name, StageStatus.FAILED, self.redact(str(exc))[:200])
+        else:
+            self.stage_results[name] = result
+            self._set_stage(name, StageStatus.DONE)
+        finally:
+            self._stage_ctx = None

@@ -22,6 +22,8 @@ __all__ = [
     "GpuStats",
     "HostStats",
     "ServerMetrics",
+    "StageMetrics",
+    "StageProgress",
     "Kill",
     "LogEvent",
     "Pause",
@@ -166,8 +168,35 @@ class ServerMetrics(Event):
     at: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True, slots=True)
+class StageProgress(Event):
+    """How far a compute stage is: ``done`` of ``total`` ``unit``s (samples, tokens, steps)."""
+
+    kind: ClassVar[str] = "stage_progress"
+    stage: str
+    done: float
+    total: float
+    unit: str
+    rate: float = 0.0
+    eta_s: float | None = None
+    extra: dict = field(default_factory=dict)
+    at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True, slots=True)
+class StageMetrics(Event):
+    """A stage's measurements: train loss and per-step accuracy, extract tokens/s and bytes/token,
+    eval acceptance length ..."""
+
+    kind: ClassVar[str] = "stage_metrics"
+    stage: str
+    values: dict
+    at: float = field(default_factory=time.time)
+
+
 _EVENTS: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (DatasetProgress, EndpointStats, StageState, LogEvent, GpuStats, HostStats, ServerMetrics)
+    cls.kind: cls
+    for cls in (DatasetProgress, EndpointStats, StageState, LogEvent, GpuStats, HostStats, ServerMetrics, StageProgress, StageMetrics)
 }
 _ENUM_FIELDS = {"state": DatasetState, "status": StageStatus}
 

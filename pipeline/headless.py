@@ -13,7 +13,7 @@ from typing import TextIO
 from .config import RunConfig
 from .control import ControlError, ControlServer, socket_path_for
 from .engine import Engine, RunSummary
-from .events import DatasetProgress, DatasetState
+from .events import DatasetProgress, DatasetState, StageProgress
 from .report import format_event, json_line, status_line
 
 __all__ = ["exit_code", "run_headless", "install_kill_signals"]
@@ -48,6 +48,7 @@ async def _print_events(engine: Engine, out: TextIO, as_json: bool, every_s: flo
     latest: dict[str, DatasetProgress] = {}
     last_states: dict[str, DatasetState] = {}
     last_print = time.monotonic()
+    last_stage_print = 0.0
     async for event in engine.subscribe():
         if as_json:
             out.write(json_line(event) + "\n")
@@ -63,19 +64,26 @@ async def _print_events(engine: Engine, out: TextIO, as_json: bool, every_s: flo
                 for progress in latest.values():
                     out.write(status_line(progress) + "\n")
                 out.flush()
+        elif isinstance(event, StageProgress):
+            if time.monotonic() - last_stage_print >= every_s or event.done >= event.total:
+                last_stage_print = time.monotonic()
+                out.write(format_event(event) + "\n")
+                out.flush()
         elif (line := format_event(event)) is not None and event.kind != "endpoint":
             out.write(line + "\n")
             out.flush()
-    if not as_json:
+    if not as_json and latest:
         out.write("summary:\n")
         for progress in latest.values():
             out.write("  " + status_line(progress) + "\n")
         out.flush()
 
 
-async def run_headless(config: RunConfig, *, as_json: bool = False, out: TextIO | None = None, serve_socket: bool = True) -> int:
+async def run_headless(
+    config: RunConfig, *, as_json: bool = False, out: TextIO | None = None, serve_socket: bool = True, stages: tuple[str, ...] | None = None
+) -> int:
     out = out or sys.stdout
-    engine = Engine(config)
+    engine = Engine(config, stages=stages)
     await engine.open()
     server = None
     if serve_socket:

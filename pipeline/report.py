@@ -6,7 +6,7 @@ import json
 import time
 
 from .config import format_tokens
-from .events import DatasetProgress, EndpointStats, Event, LogEvent, StageState
+from .events import DatasetProgress, EndpointStats, Event, LogEvent, StageMetrics, StageProgress, StageState
 
 __all__ = [
     "dataset_cells",
@@ -16,7 +16,9 @@ __all__ = [
     "format_rate",
     "json_line",
     "progress_bar",
+    "metrics_text",
     "sparkline",
+    "stage_progress_line",
     "status_line",
 ]
 
@@ -143,7 +145,32 @@ def format_event(event: Event) -> str | None:
         )
     if isinstance(event, DatasetProgress):
         return f"{_clock(event.at)} DATA    {status_line(event)}"
+    if isinstance(event, StageProgress):
+        return f"{_clock(event.at)} PROGRESS {stage_progress_line(event)}"
+    if isinstance(event, StageMetrics):
+        return f"{_clock(event.at)} METRICS {event.stage}: {metrics_text(event.values)}"
     return None
+
+
+def stage_progress_line(p: StageProgress) -> str:
+    percent = 100 * p.done / p.total if p.total else 100.0
+    extra = "".join(f"  {k} {v:.4g}" if isinstance(v, float) else f"  {k} {v}" for k, v in p.extra.items())
+    return (
+        f"{p.stage}: {format_tokens(p.done)}/{format_tokens(p.total)} {p.unit} ({percent:.1f}%)  "
+        f"{format_rate(p.rate)} {p.unit}/s  ETA {format_duration(p.eta_s)}{extra}"
+    )
+
+
+def metrics_text(values: dict) -> str:
+    parts = []
+    for key, value in values.items():
+        if isinstance(value, float):
+            parts.append(f"{key} {value:.4g}")
+        elif isinstance(value, list):
+            parts.append(f"{key} [" + " ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in value) + "]")
+        else:
+            parts.append(f"{key} {value}")
+    return "  ".join(parts)
 
 
 def json_line(event: Event) -> str:

@@ -70,6 +70,32 @@ def _train_tokenizer(directory: Path, vocab_size: int, seed: int) -> None:
     fast.save_pretrained(str(directory))
 
 
+def _pretrain(model, tokenizer, steps: int, seed: int, batch: int = 16, length: int = 64) -> None:
+    import torch
+
+    rng = random.Random(seed + 1)
+    torch.manual_seed(seed + 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        rows = []
+        for _ in range(batch):
+            conversation = [
+                {"role": "user", "content": sample_text(rng, rng.randint(4, 16))},
+                {"role": "assistant", "content": sample_text(rng, rng.randint(6, 24))},
+            ]
+            ids = tokenizer.apply_chat_template(conversation, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[:length]
+            rows.append(ids + [tokenizer.pad_token_id] * (length - len(ids)))
+        input_ids = torch.tensor(rows)
+        labels = input_ids.masked_fill(input_ids == tokenizer.pad_token_id, -100)
+        loss = model(input_ids=input_ids, attention_mask=(labels != -100).long(), labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
 def build_tiny_model(
     directory: str | Path,
     *,
@@ -82,18 +108,26 @@ def build_tiny_model(
     max_positions: int = 2048,
     seed: int = 0,
     stop_bias: float = 0.0,
+    init_std: float = 0.2,
+    branch_scale: float = 1.0,
+    pretrain_steps: int = 0,
 ) -> Path:
     """Write a tokenizer + random-weight LlamaForCausalLM to ``directory`` (once; cached).
 
     ``stop_bias`` scales the end-of-turn row of the output head so that sampled answers end at
     varied lengths, as a real model's do (random weights would almost never stop).
+    ``pretrain_steps`` > 0 then trains the random model briefly (seconds on a CPU) on chat
+    conversations of the generated text: a random net's next token is close to chance, which no
+    drafter can predict, while a trained model's next token has structure, as a real target's
+    does. ``branch_scale`` shrinks every residual branch at init.
     """
     directory = Path(directory)
     marker = directory / "eagleops-tiny.json"
     spec = {
         "vocab_size": vocab_size, "hidden_size": hidden_size, "layers": layers, "heads": heads,
         "kv_heads": kv_heads, "intermediate_size": intermediate_size, "max_positions": max_positions,
-        "seed": seed, "stop_bias": stop_bias,
+        "seed": seed, "stop_bias": stop_bias, "init_std": init_std, "branch_scale": branch_scale,
+        "pretrain_steps": pretrain_steps,
     }  # fmt: skip
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return directory
@@ -119,12 +153,18 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        initializer_range=0.2,
+        initializer_range=init_std,
     )
     model = LlamaForCausalLM(config)
-    if stop_bias:
-        with torch.no_grad():
+    with torch.no_grad():
+        if branch_scale != 1.0:
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight *= branch_scale
+                layer.mlp.down_proj.weight *= branch_scale
+        if stop_bias:
             model.lm_head.weight[tokenizer.eos_token_id] *= stop_bias
+    if pretrain_steps:
+        _pretrain(model, tokenizer, pretrain_steps, seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(directory))

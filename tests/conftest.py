@@ -49,9 +49,10 @@ def fault_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
+    from pipeline.demo import TINY_PRETRAIN_STEPS
     from pipeline.tinymodel import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", stop_bias=3.0)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", pretrain_steps=TINY_PRETRAIN_STEPS)
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

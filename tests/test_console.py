@@ -344,9 +344,10 @@ def test_the_real_program_in_a_terminal(tmp_path, fault_server):
     run = _run_file(tmp_path, fault_server.base_url)
     session = f"eo{os.getpid()}"
     exit_file = tmp_path / "exit"
-    env_prefix = f"cd {ROOT} && PYTHONPATH={ROOT} EAGLEOPS_RUNTIME_DIR={os.environ['EAGLEOPS_RUNTIME_DIR']}"
+    env_prefix = f"cd {ROOT} && unset COLUMNS LINES && PYTHONPATH={ROOT} EAGLEOPS_RUNTIME_DIR={os.environ['EAGLEOPS_RUNTIME_DIR']}"
     command = f"{env_prefix} {sys.executable} -m console.cli run {run}; echo $? > {exit_file}"
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "45", command], check=True)
+    subprocess.run(["tmux", "resize-window", "-t", session, "-x", "160", "-y", "45"], capture_output=True)
 
     def screen() -> str:
         return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
@@ -362,7 +363,8 @@ def test_the_real_program_in_a_terminal(tmp_path, fault_server):
         subprocess.run(["tmux", "send-keys", "-t", session, *k], check=True)
 
     try:
-        text = wait_screen("running")
+        wait_screen("B2")
+        text = wait_screen("no NVIDIA GPU")
         assert "B1" in text and "B2" in text and "Stages" in text and "no NVIDIA GPU" in text
         keys("p")
         wait_screen("command pause B1")

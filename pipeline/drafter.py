@@ -1,0 +1,256 @@
+"""The EAGLE-3 drafter: one decoder layer over the target's fused low/mid/high features.
+
+Shapes and names follow what SGLang's ``LlamaForCausalLMEagle3`` loads: ``fc`` (3H -> H) fuses
+the three auxiliary hidden states; ``midlayer`` is a Llama decoder layer whose q/k/v projections
+read 2H (the normed token embedding concatenated with the normed fused hidden state) and whose
+residual is the fused hidden state; ``norm`` then ``lm_head`` (H -> draft vocab). Token
+embeddings are the target's, frozen and never exported. ``d2t``/``t2d`` map draft ids to target
+ids (``target = draft + d2t[draft]``) and mark the target ids in the draft vocabulary.
+
+Training-time test: step 0 reads the target's features; step i > 0 reads the drafter's own
+(pre-norm) output of step i - 1 at the same position, with tokens shifted one further and RoPE
+positions advanced by i. At step i a query attends causally to step-0 keys and to its own
+position's keys of steps 1..i: the attention pattern of drafting i tokens ahead at inference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DraftCache", "Eagle3Drafter", "drafter_config_from_target", "eagle3_aux_layers"]
+
+
+def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """Outputs of layers [1, N//2 - 1, N - 4] (0-based), as EAGLE-3 and SpecForge pick them."""
+    layers = (1, num_layers // 2 - 1, num_layers - 4)
+    if min(layers) < 0 or len(set(layers)) < 3:
+        # tiny targets: spread three distinct layers as evenly as the depth allows
+        layers = tuple(sorted({max(0, min(num_layers - 1, round(x))) for x in (num_layers * 0.15, num_layers * 0.5, num_layers * 0.85)}))
+        if len(layers) < 3:
+            raise ValueError(f"a target with {num_layers} layers is too shallow for three auxiliary layers")
+    return layers  # type: ignore[return-value]
+
+
+def drafter_config_from_target(target_config, *, draft_vocab_size: int, aux_layers: tuple[int, int, int]):
+    """A LlamaConfig for the drafter: the target's attention geometry, one layer, the draft vocab.
+
+    Saved as the export's config.json; SGLang/vLLM read ``eagle_config`` for the capture layers,
+    which count a layer's *input* (id j is the output of layer j - 1), hence the + 1.
+    """
+    from transformers import LlamaConfig
+
+    text = getattr(target_config, "text_config", None) or target_config
+    rope = getattr(text, "rope_parameters", None) or {}
+    config = LlamaConfig(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        hidden_act=getattr(text, "hidden_act", "silu"),
+        max_position_embeddings=text.max_position_embeddings,
+        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+        bos_token_id=getattr(text, "bos_token_id", None),
+        eos_token_id=getattr(text, "eos_token_id", None),
+        pad_token_id=getattr(text, "pad_token_id", None),
+        tie_word_embeddings=False,
+    )
+    if rope:
+        config.rope_parameters = dict(rope)
+    config.architectures = ["LlamaForCausalLMEagle3"]
+    config.draft_vocab_size = draft_vocab_size
+    config.target_hidden_size = text.hidden_size
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [layer + 1 for layer in aux_layers], "use_aux_hidden_state": True}
+    return config
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class DraftCache:
+    """Keys/values per TTT step: step 0 over all positions, later steps at the query positions."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @classmethod
+    def empty(cls) -> "DraftCache":
+        return cls([], [])
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(2 * hidden, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: DraftCache,
+        query_positions: torch.Tensor,
+        key_padding: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if self.kv_heads != self.heads:
+            rep = self.heads // self.kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        cache.keys.append(k)
+        cache.values.append(v)
+        k0, v0 = cache.keys[0], cache.values[0]
+        s0 = k0.shape[2]
+        # step-0 keys: causal in absolute position, minus padding
+        allowed = torch.arange(s0, device=x.device)[None, :] <= query_positions[:, None]  # [t, s0]
+        allowed = allowed[None, None]
+        if key_padding is not None:
+            allowed = allowed & key_padding[:, None, None, :]
+        if len(cache.keys) == 1:
+            out = F.scaled_dot_product_attention(q, k0, v0, attn_mask=allowed)
+        else:
+            scale = 1.0 / math.sqrt(self.head_dim)
+            scores = torch.matmul(q, k0.transpose(2, 3)) * scale
+            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+            diagonal = [(q * kj).sum(-1, keepdim=True) * scale for kj in cache.keys[1:]]
+            weights = torch.softmax(torch.cat([scores, *diagonal], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.matmul(weights[..., :s0], v0)
+            for j, vj in enumerate(cache.values[1:]):
+                out = out + weights[..., s0 + j : s0 + j + 1] * vj
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = MLP(config)
+
+    def forward(self, embeds, hidden, cos, sin, cache, query_positions, key_padding):
+        residual = hidden
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        hidden = residual + self.self_attn(x, cos, sin, cache, query_positions, key_padding)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux)
+
+    def step(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        step_index: int,
+        cache: DraftCache,
+        key_padding: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step for the positions given: (pre-norm hidden out, draft-vocab logits).
+
+        ``positions`` [T] are the absolute positions of the queries (their RoPE advances by
+        ``step_index``); step 0 must cover every position later steps attend to.
+        """
+        embeds = self.embed_tokens(tokens).to(hidden.dtype)
+        rope_positions = (positions + step_index)[None, :].expand(hidden.shape[0], -1)
+        cos, sin = self.rotary(hidden, rope_positions)
+        out = self.midlayer(embeds, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache, positions, key_padding)
+        return out, self.lm_head(self.norm(out))
+
+    # ---- inference: chain drafting ----------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, aux: torch.Tensor, tokens: torch.Tensor, k: int) -> list[int]:
+        """Draft k target-vocabulary tokens after a context.
+
+        ``aux`` [1, n+1, 3H]: the target's features at positions 0..n; ``tokens`` [1, n+1]: the
+        token after each position (the last one is the target's own next token).
+        """
+        positions = torch.arange(aux.shape[1], device=aux.device)
+        cache = DraftCache.empty()
+        hidden, logits = self.step(self.fuse(aux), tokens, positions, 0, cache)
+        hidden, logits = hidden[:, -1:], logits[:, -1:]
+        last = positions[-1:]
+        drafts: list[int] = []
+        for i in range(k):
+            draft = int(logits[0, -1].argmax())
+            target_id = draft + int(self.d2t[draft])
+            drafts.append(target_id)
+            if i + 1 == k:
+                break
+            token = torch.tensor([[target_id]], device=aux.device)
+            hidden, logits = self.step(hidden, token, last, i + 1, cache)
+        return drafts

@@ -1,0 +1,119 @@
+"""eval: offline acceptance length of the exported drafter, by real speculative decoding.
+
+On held-out prompts (``prepared/eval.jsonl``): the drafter proposes ``draft_tokens`` tokens in a
+chain (top-1), the target verifies them greedily in one forward pass, the longest agreeing prefix
+is accepted plus the target's own next token. Acceptance length = tokens gained per target
+forward (accepted drafts + 1), averaged over verify steps; the per-position rate is
+P(draft j accepted | drafts 1..j-1 accepted). Greedy verification makes the output identical
+to the target's own greedy decoding, which is checked on every prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import RunConfig
+from .drafter import Eagle3Drafter
+from .export import load_exported
+from .extract import load_target
+from .stagectl import StageContext
+from .train import build_drafter, target_head_and_embeddings
+
+__all__ = ["evaluate", "speculative_generate"]
+
+
+@torch.no_grad()
+def _target_pass(model, ids: list[int], aux_layers, device):
+    out = model(input_ids=torch.tensor([ids], device=device), output_hidden_states=True, use_cache=False)
+    aux = torch.cat([out.hidden_states[layer + 1] for layer in aux_layers], dim=-1)
+    return aux.float(), out.logits[0].argmax(-1).tolist()
+
+
+@torch.no_grad()
+def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], *, aux_layers, k: int, max_new_tokens: int, eos: int | None, device):
+    """Returns (generated ids, accepted drafts per verify step)."""
+    aux, greedy = _target_pass(model, prompt, aux_layers, device)
+    seq, pending = list(prompt), greedy[-1]  # ``pending``: the target's next token, not yet appended
+    accepted_per_step: list[int] = []
+    generated: list[int] = []
+    while len(generated) < max_new_tokens and pending != eos:
+        tokens = torch.tensor([seq[1:] + [pending]], device=device)
+        drafts = drafter.propose(aux[:, : len(seq)], tokens, k)
+        candidate = seq + [pending] + drafts
+        aux, greedy = _target_pass(model, candidate, aux_layers, device)
+        base = len(seq)  # greedy[base + j] is the target's choice after candidate[: base + j + 1]
+        accepted = 0
+        while accepted < k and drafts[accepted] == greedy[base + accepted]:
+            accepted += 1
+        new = [pending] + drafts[:accepted]
+        accepted_per_step.append(accepted)
+        seq += new
+        generated += new
+        pending = greedy[base + accepted]
+        if eos is not None and eos in new:
+            generated = generated[: generated.index(eos)]
+            break
+    return generated[:max_new_tokens], accepted_per_step
+
+
+@torch.no_grad()
+def _greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None, device) -> list[int]:
+    out = model.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long, device=device),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+    tokens = out[0, len(prompt) :].tolist()
+    if eos is not None and eos in tokens:
+        tokens = tokens[: tokens.index(eos)]
+    return tokens
+
+
+def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    assert config.target is not None
+    model, device, _ = load_target(config.target)
+    tokenizer = AutoTokenizer.from_pretrained(str(config.target.tokenizer_path))
+    features_index = json.loads((config.features_dir / "index.json").read_text())
+    aux_layers = tuple(features_index["aux_layers"])
+    if untrained:
+        drafter = build_drafter(config, aux_layers, seed=config.train.seed + 1)
+    else:
+        _, embeddings = target_head_and_embeddings(config.target.model)
+        drafter = load_exported(config.export_dir, embeddings)
+    drafter = drafter.to(device).eval()
+    prompts = [json.loads(line) for line in (config.prepared_dir / "eval.jsonl").read_text().splitlines() if line.strip()]
+    prompts = prompts[: config.eval.prompts]
+    if not prompts:
+        raise ValueError(f"{config.prepared_dir / 'eval.jsonl'}: no held-out prompts (prepare.eval_fraction is 0?)")
+    eos = tokenizer.eos_token_id
+    k = config.eval.draft_tokens
+    steps: list[int] = []
+    mismatches = 0
+    for i, row in enumerate(prompts):
+        ctx.checkpoint()
+        encoded = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
+        prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        generated, accepted = speculative_generate(model, drafter, prompt, aux_layers=aux_layers, k=k, max_new_tokens=config.eval.max_new_tokens, eos=eos, device=device)
+        if generated != _greedy(model, prompt, len(generated), eos, device)[: len(generated)]:
+            mismatches += 1
+        steps += accepted
+        ctx.progress(i + 1, len(prompts), "prompts")
+    reached = [sum(1 for a in steps if a >= j) for j in range(k + 1)]
+    per_position = [round(reached[j + 1] / reached[j], 4) if reached[j] else 0.0 for j in range(k)]
+    result = {
+        "drafter": "untrained" if untrained else str(config.export_dir),
+        "prompts": len(prompts),
+        "verify_steps": len(steps),
+        "draft_tokens": k,
+        "acceptance_length": round(sum(a + 1 for a in steps) / len(steps), 4) if steps else 0.0,
+        "acceptance_rate_per_position": per_position,
+        "greedy_mismatches": mismatches,
+    }
+    if not untrained:
+        (config.output_dir / "eval.json").write_text(json.dumps(result, indent=1))
+    ctx.metrics(**result)
+    ctx.log("info", f"eval: acceptance length {result['acceptance_length']:.2f} over {len(steps)} verify steps ({k} draft tokens); per position {per_position}")
+    return result

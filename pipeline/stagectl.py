@@ -1,0 +1,89 @@
+"""How a compute stage (prepare, extract, train, export, eval) talks to the engine.
+
+The stage body is plain blocking torch code running in a worker thread; it calls
+``ctx.checkpoint()`` between units of work, which blocks while the stage is paused and raises
+``StageKilled`` once it is killed, and reports through ``ctx.progress``/``ctx.metrics``/``ctx.log``,
+which hand events to the event loop thread-safely. The same context runs with no engine at all
+(tests, torchrun workers) and then just records.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .events import Event, LogEvent, StageMetrics, StageProgress
+
+__all__ = ["StageContext", "StageKilled"]
+
+
+class StageKilled(Exception):
+    """Raised inside a stage at its next checkpoint after a kill: its work so far is kept."""
+
+
+class StageContext:
+    def __init__(self, stage: str, emit: Callable[[Event], None] | None = None, *, rank: int = 0):
+        self.stage = stage
+        self._emit = emit
+        self.rank = rank
+        self._running = threading.Event()
+        self._running.set()
+        self._killed = threading.Event()
+        self.metrics_log: list[dict[str, Any]] = []
+        self.logs: list[tuple[str, str]] = []
+        self._started = time.monotonic()
+        self._last_progress = 0.0
+
+    # ---- control (any thread) -----------------------------------------------------------------
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def kill(self) -> None:
+        self._killed.set()
+        self._running.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    @property
+    def killed(self) -> bool:
+        return self._killed.is_set()
+
+    # ---- inside the stage ---------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        if not self._running.is_set():
+            self.log("info", f"{self.stage}: paused")
+            self._running.wait()
+            if not self._killed.is_set():
+                self.log("info", f"{self.stage}: resumed")
+        if self._killed.is_set():
+            raise StageKilled(self.stage)
+
+    def _send(self, event: Event) -> None:
+        if self._emit is not None and self.rank == 0:
+            self._emit(event)
+
+    def log(self, level: str, message: str) -> None:
+        self.logs.append((level, message))
+        self._send(LogEvent(level, message, None))
+
+    def progress(self, done: float, total: float, unit: str, *, force: bool = False, **extra: float) -> None:
+        """Throttled to ~4 Hz: a stage may call this every batch."""
+        now = time.monotonic()
+        if not force and now - self._last_progress < 0.25 and done < total:
+            return
+        self._last_progress = now
+        elapsed = now - self._started
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (total - done) / rate if rate > 0 and total > done else None
+        self._send(StageProgress(self.stage, done, total, unit, round(rate, 3), round(eta, 1) if eta is not None else None, dict(extra)))
+
+    def metrics(self, **values: Any) -> None:
+        self.metrics_log.append(values)
+        self._send(StageMetrics(self.stage, dict(values)))
