@@ -149,7 +149,9 @@ def extract(config: RunConfig, ctx: StageContext) -> dict[str, Any]:
             "offsets": torch.tensor(offsets, dtype=torch.int64),
         }
         tmp = out / (name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"first_sample": str(first), "aux_layers": json.dumps(list(aux_layers))})
+        # one metadata key: safetensors writes its metadata map in hash order, and a shard must
+        # come out byte-identical when a killed extract redoes it
+        save_file(tensors, str(tmp), metadata={"eagleops": json.dumps({"first_sample": first, "aux_layers": list(aux_layers)}, sort_keys=True)})
         os.replace(tmp, out / name)
         index["shards"][name] = {"first_sample": first, "samples": len(chunk), "tokens": offsets[-1], "bytes": (out / name).stat().st_size}
         write_json_atomic(index_path, index)

@@ -1,0 +1,271 @@
+"""The ML stages on the tiny real target: prepare -> extract -> train -> export -> eval."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import parse_run
+from pipeline.demo import start_server, write_demo_datasets
+from pipeline.engine import Engine
+from pipeline.events import StageStatus
+from pipeline.prepare import build_draft_vocab, tokenize_conversation
+from pipeline.stagectl import StageContext, StageKilled
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _config(folder: Path, model: Path, **sections) -> object:
+    data = {
+        "name": "ml",
+        "output_dir": str(folder / "out"),
+        "concurrency": 16,
+        "sampling": {"max_tokens": 48, "temperature": 1.0},
+        "endpoints": [{"base_url": sections.pop("base_url", "http://127.0.0.1:9/v1"), "model": "tiny"}],
+        "datasets": [
+            {"name": "B1", "path": str(folder / "data" / "sharegpt.jsonl"), "format": "conversations", "token_budget": 2500},
+            {"name": "B2", "path": str(folder / "data" / "ultrachat.jsonl"), "format": "messages", "token_budget": 2000},
+        ],
+        "target": {"model": str(model)},
+        "prepare": {"draft_vocab_size": 256, "eval_fraction": 0.1, "eval_max": 16},
+        "extract": {"shard_samples": 64, "batch_tokens": 2048},
+        "train": {"epochs": 2, "lr": 3e-3, "batch_size": 4, "ttt_length": 4, "warmup_ratio": 0.05, "checkpoint_every": 50, "log_every": 10},
+        "eval": {"prompts": 16, "max_new_tokens": 48, "draft_tokens": 4},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return parse_run(data, origin=str(folder / "run.toml"), base_dir=folder)
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory, tiny_model) -> Path:
+    """A real generate run: our model server on loopback serving the tiny target."""
+    folder = tmp_path_factory.mktemp("generated")
+    write_demo_datasets(folder / "data", count=220)
+    with start_server(["pipeline.servers.model", "--model", str(tiny_model), "--max-batch", "32"], folder / "port", log_path=folder / "log") as port:
+        config = _config(folder, tiny_model, base_url=f"http://127.0.0.1:{port}/v1", stages=["generate"])
+        summary = asyncio.run(Engine(config).run())
+    assert summary.ok
+    return folder
+
+
+@pytest.fixture
+def workdir(tmp_path, generated) -> Path:
+    shutil.copytree(generated / "data", tmp_path / "data")
+    shutil.copytree(generated / "out", tmp_path / "out", ignore=shutil.ignore_patterns(".lock"))
+    return tmp_path
+
+
+def _stage(config, name: str, ctx: StageContext | None = None):
+    from pipeline.stages import stage_functions
+
+    return stage_functions()[name](config, ctx or StageContext(name))
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "explain the cache"},
+        {"role": "assistant", "content": "the cache keeps tokens"},
+        {"role": "user", "content": "and the drafter?"},
+        {"role": "assistant", "content": "it guesses ahead"},
+    ]
+    ids, mask, length = tokenize_conversation(tok, messages, 4096)
+    assert length == len(ids) == len(mask)
+    spans, current = [], []
+    for token, m in zip(ids, mask):
+        if m:
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    if current:
+        spans.append(current)
+    assert [tok.decode(s) for s in spans] == ["the cache keeps tokens<|eot_id|>", "it guesses ahead<|eot_id|>"]
+    unmasked = tok.decode([t for t, m in zip(ids, mask) if not m])
+    assert "explain the cache" in unmasked and "be brief" in unmasked and "guesses" not in unmasked
+    ids_cut, mask_cut, _ = tokenize_conversation(tok, messages, 10)
+    assert ids_cut == ids[:10] and mask_cut == mask[:10]
+
+
+def test_draft_vocab_mapping():
+    counts = Counter({5: 10, 2: 7, 9: 7, 1: 1})
+    draft_ids, d2t, t2d = build_draft_vocab(counts, vocab_size=12, draft_size=3)
+    assert draft_ids == [2, 5, 9]  # most frequent, ties by id, sorted
+    assert [i + d2t[i] for i in range(3)] == draft_ids
+    assert [i for i, on in enumerate(t2d) if on] == draft_ids
+    padded, _, _ = build_draft_vocab(Counter({7: 3}), vocab_size=12, draft_size=4)
+    assert padded == [0, 1, 2, 7]  # fewer seen than asked for: unseen ids fill in
+
+
+def test_prepare_dedupes_holds_out_and_writes_shards(workdir, tiny_model):
+    config = _config(workdir, tiny_model)
+    # the same prompt twice across datasets: kept once
+    first = (workdir / "out" / "B1" / "data.jsonl").read_text().splitlines()[0]
+    with open(workdir / "out" / "B2" / "data.jsonl", "a") as f:
+        f.write(first + "\n")
+    index = _stage(config, "prepare")
+    b1 = len((workdir / "out" / "B1" / "data.jsonl").read_text().splitlines())
+    b2 = len((workdir / "out" / "B2" / "data.jsonl").read_text().splitlines())
+    assert index["duplicates_dropped"] == 1
+    assert index["samples"] + index["held_out"] == b1 + b2 - 1
+    assert index["draft_vocab_size"] == 256
+    held_out = [json.loads(line) for line in (config.prepared_dir / "eval.jsonl").read_text().splitlines()]
+    assert len(held_out) == index["held_out"] and all(m["messages"][-1]["role"] == "user" for m in held_out)
+    again = _stage(config, "prepare")  # unchanged inputs: skipped
+    assert again["fingerprint"] == index["fingerprint"]
+
+
+def test_bad_generated_line_names_file_and_line(workdir, tiny_model):
+    config = _config(workdir, tiny_model)
+    with open(workdir / "out" / "B2" / "data.jsonl", "a") as f:
+        f.write('{"id": "x", "conversations": [{"role": "user", "content": "hi"}]}\n')
+    from pipeline.prepare import PrepareError
+
+    with pytest.raises(PrepareError, match=r"B2/data.jsonl:\d+: conversations: conversations must end with an assistant turn"):
+        _stage(config, "prepare")
+
+
+def test_extracted_states_equal_a_direct_forward(workdir, tiny_model):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = _config(workdir, tiny_model)
+    _stage(config, "prepare")
+    index = _stage(config, "extract")
+    assert index["aux_layers"] == [1, 3, 4]  # [1, N//2-1, N-4] for the 8-layer target
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model)).eval()
+    shard = load_file(str(config.features_dir / "shard-00001.safetensors"))
+    offsets = shard["offsets"].tolist()
+    for j in (0, 5, len(offsets) - 2):
+        a, b = offsets[j], offsets[j + 1]
+        ids = shard["input_ids"][a:b].long()[None]
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+        expected_aux = torch.cat([out.hidden_states[layer + 1] for layer in (1, 3, 4)], dim=-1)[0]
+        expected_final = out.hidden_states[-1][0]
+        torch.testing.assert_close(shard["aux"][a:b].float(), expected_aux.bfloat16().float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(shard["final"][a:b].float(), expected_final.bfloat16().float(), rtol=2e-2, atol=2e-2)
+        assert shard["aux"].dtype == torch.bfloat16
+    metrics = index["metrics"]
+    assert metrics["bytes_per_token"] < metrics["all_layers_bytes_per_token"]
+
+
+class _KillAfter(StageContext):
+    """Kills the stage at its n-th checkpoint, as `eagleops kill extract` would."""
+
+    def __init__(self, stage: str, n: int):
+        super().__init__(stage)
+        self.left = n
+
+    def checkpoint(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.kill()
+        super().checkpoint()
+
+
+def test_extract_resumes_after_a_kill_with_identical_shards(workdir, tiny_model, tmp_path_factory):
+    reference = tmp_path_factory.mktemp("reference")
+    shutil.copytree(workdir / "data", reference / "data")
+    shutil.copytree(workdir / "out", reference / "out")
+    full = _config(reference, tiny_model)
+    _stage(full, "prepare")
+    _stage(full, "extract")
+
+    config = _config(workdir, tiny_model)
+    _stage(config, "prepare")
+    with pytest.raises(StageKilled):
+        _stage(config, "extract", _KillAfter("extract", 9))
+    partial = json.loads((config.features_dir / "index.json").read_text())
+    assert 0 < len(partial["shards"]) < len(json.loads((full.features_dir / "index.json").read_text())["shards"])
+    assert not list(config.features_dir.glob("*.tmp"))
+    _stage(config, "extract")
+    names = sorted(p.name for p in full.features_dir.glob("shard-*.safetensors"))
+    assert names == sorted(p.name for p in config.features_dir.glob("shard-*.safetensors"))
+    for name in names:
+        assert (config.features_dir / name).read_bytes() == (full.features_dir / name).read_bytes(), name
+
+
+def test_train_resumes_from_a_checkpoint_on_the_same_loss_curve(workdir, tiny_model, tmp_path_factory):
+    straight_dir = tmp_path_factory.mktemp("straight")
+    shutil.copytree(workdir / "out", straight_dir / "out")
+    shutil.copytree(workdir / "data", straight_dir / "data")
+    base = _config(workdir, tiny_model, train={"max_steps": 30, "checkpoint_every": 10})
+    _stage(base, "prepare")
+    _stage(base, "extract")
+    shutil.rmtree(straight_dir / "out")
+    shutil.copytree(workdir / "out", straight_dir / "out")
+    straight = _config(straight_dir, tiny_model, train={"max_steps": 30, "checkpoint_every": 10})
+    _stage(straight, "train")
+    with pytest.raises(StageKilled):
+        _stage(base, "train", _KillAfter("train", 16))  # dies during step 16: checkpoint has 15
+    resumed = _stage(base, "train")
+    assert resumed["steps"] == 30
+    curve = [json.loads(line)["loss"] for line in (base.train_dir / "history.jsonl").read_text().splitlines()]
+    expected = [json.loads(line)["loss"] for line in (straight.train_dir / "history.jsonl").read_text().splitlines()]
+    assert len(curve) == len(expected) == 30
+    assert curve == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_torchrun_two_processes_on_cpu(workdir, tiny_model):
+    config = _config(workdir, tiny_model, train={"max_steps": 12, "checkpoint_every": 6})
+    _stage(config, "prepare")
+    _stage(config, "extract")
+    run = workdir / "run.toml"
+    run.write_text(
+        f'name = "ddp"\noutput_dir = "{workdir / "out"}"\n[[endpoints]]\nbase_url = "http://127.0.0.1:9/v1"\nmodel = "m"\n'
+        f'[[datasets]]\nname = "B1"\npath = "{workdir / "data" / "sharegpt.jsonl"}"\ntoken_budget = 1\n'
+        f'[target]\nmodel = "{tiny_model}"\n[train]\nmax_steps = 12\nbatch_size = 2\nttt_length = 3\nlr = 3e-3\ncheckpoint_every = 6\nlog_every = 4\n'
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "console.cli", "train", str(run)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "world_size 2" in result.stdout
+    state = torch.load(workdir / "out" / "train" / "checkpoint.pt", weights_only=False)
+    assert state["step"] == 12
+
+
+def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
+    from safetensors import safe_open
+
+    from pipeline.evaluate import evaluate
+
+    config = _config(workdir, tiny_model)
+    engine = Engine(config, stages=("prepare", "extract", "train", "export", "eval"))
+    summary = asyncio.run(engine.run())
+    assert all(summary.stages[s] == StageStatus.DONE for s in ("prepare", "extract", "train", "export", "eval")), summary.stages
+    trained = engine.stage_results["eval"]
+    untrained = evaluate(config, StageContext("eval"), untrained=True)
+
+    # the export is what SGLang loads: config + safetensors with its key names, no embeddings
+    exported = json.loads((config.export_dir / "config.json").read_text())
+    assert exported["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert exported["num_hidden_layers"] == 1 and exported["draft_vocab_size"] == 256
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    with safe_open(str(config.export_dir / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight"} <= keys
+    assert not any("embed" in k for k in keys)
+
+    # a real learning signal, and greedy verification keeps the target's own output
+    assert trained["greedy_mismatches"] == 0 and untrained["greedy_mismatches"] == 0
+    assert untrained["acceptance_length"] < 1.3
+    assert trained["acceptance_length"] > untrained["acceptance_length"] + 0.5, (trained, untrained)
+    assert trained["acceptance_rate_per_position"][0] > 0.4
