@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -71,32 +72,52 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def forward_features(model, input_ids_list, aux_layers, device):
-    """[(aux [T, 3H], final [T, H])] for a batch of 1-D id tensors (right-padded together)."""
+def forward_features(model, input_ids_list, aux_layers, device, dtype=None):
+    """(aux [B, W, 3H], final [B, W, H]) for 1-D id tensors right-padded together to width W."""
     import torch
 
     width = max(len(x) for x in input_ids_list)
-    pad = 0
-    ids = torch.full((len(input_ids_list), width), pad, dtype=torch.long)
+    ids = torch.zeros((len(input_ids_list), width), dtype=torch.long)
     mask = torch.zeros((len(input_ids_list), width), dtype=torch.long)
     for row, x in enumerate(input_ids_list):
         ids[row, : len(x)] = x.long()
         mask[row, : len(x)] = 1
     with torch.inference_mode():
         out = model.model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, use_cache=False)
-    hidden = out.hidden_states  # [embeddings, layer 0 out, ..., layer N-1 out (post-norm)]
-    aux = torch.cat([hidden[layer + 1] for layer in aux_layers], dim=-1)
-    final = out.last_hidden_state
-    return [(aux[row, : len(x)], final[row, : len(x)]) for row, x in enumerate(input_ids_list)]
+        hidden = out.hidden_states  # [embeddings, layer 0 out, ..., layer N-1 out (post-norm)]
+        aux = torch.cat([hidden[layer + 1] for layer in aux_layers], dim=-1)
+        final = out.last_hidden_state
+        if dtype is not None:
+            aux, final = aux.to(dtype), final.to(dtype)
+    return aux, final
 
 
 def _shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
 
 
-def extract(config: RunConfig, ctx: StageContext) -> dict[str, Any]:
+def _write_shard(out: Path, name: str, chunk, offsets, aux, final, first: int, aux_layers, index: dict, index_path: Path) -> None:
     import torch
     from safetensors.torch import save_file
+
+    tensors = {
+        "input_ids": torch.cat([ids for ids, _ in chunk]).to(torch.int32),
+        "loss_mask": torch.cat([mask for _, mask in chunk]).to(torch.uint8),
+        "aux": aux,
+        "final": final,
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+    }
+    tmp = out / (name + ".tmp")
+    # one metadata key: safetensors writes its metadata map in hash order, and a shard must come
+    # out byte-identical when a killed extract redoes it
+    save_file(tensors, str(tmp), metadata={"eagleops": json.dumps({"first_sample": first, "aux_layers": list(aux_layers)}, sort_keys=True)})
+    os.replace(tmp, out / name)
+    index["shards"][name] = {"first_sample": first, "samples": len(chunk), "tokens": offsets[-1], "bytes": (out / name).stat().st_size}
+    write_json_atomic(index_path, index)
+
+
+def extract(config: RunConfig, ctx: StageContext) -> dict[str, Any]:
+    import torch
 
     assert config.target is not None
     prepared_index, samples = load_prepared(config.prepared_dir)
@@ -117,44 +138,46 @@ def extract(config: RunConfig, ctx: StageContext) -> dict[str, Any]:
         index = {"prepared": prepared_index["fingerprint"], "aux_layers": list(aux_layers), "hidden_size": model.config.hidden_size,
                  "num_layers": layers, "target": str(config.target.model), "shards": {}}  # fmt: skip
     per = config.extract.shard_samples
+    hidden_size = model.config.hidden_size
     total_tokens = prepared_index["tokens"]
     done_tokens = sum(s["tokens"] for s in index["shards"].values())
     started, fresh_tokens, compute_s = time.monotonic(), 0, 0.0
-    for first in range(0, len(samples), per):
-        shard = first // per
-        name = _shard_name(shard)
-        if name in index["shards"] and (out / name).exists():
-            continue
-        ctx.checkpoint()
-        chunk = samples[first : first + per]
-        results: list[Any] = [None] * len(chunk)
-        for batch in length_batches([len(ids) for ids, _ in chunk], config.extract.batch_tokens):
+    # Shards are written by one background thread while the next one computes; at most one write
+    # is in flight, and a shard enters the index only once renamed into place.
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
+    pending = None
+    try:
+        for first in range(0, len(samples), per):
+            name = _shard_name(first // per)
+            if name in index["shards"] and (out / name).exists():
+                continue
             ctx.checkpoint()
-            t0 = time.perf_counter()
-            features = forward_features(model, [chunk[i][0] for i in batch], aux_layers, device)
-            compute_s += time.perf_counter() - t0
-            for i, (aux, final) in zip(batch, features):
-                results[i] = (aux.to("cpu", torch.bfloat16), final.to("cpu", torch.bfloat16))
-            batch_tokens = sum(len(chunk[i][0]) for i in batch)
-            fresh_tokens += batch_tokens
-            ctx.progress(done_tokens + fresh_tokens, total_tokens, "tokens")
-        offsets = [0]
-        for ids, _ in chunk:
-            offsets.append(offsets[-1] + len(ids))
-        tensors = {
-            "input_ids": torch.cat([ids for ids, _ in chunk]).to(torch.int32),
-            "loss_mask": torch.cat([mask for _, mask in chunk]).to(torch.uint8),
-            "aux": torch.cat([aux for aux, _ in results]),
-            "final": torch.cat([final for _, final in results]),
-            "offsets": torch.tensor(offsets, dtype=torch.int64),
-        }
-        tmp = out / (name + ".tmp")
-        # one metadata key: safetensors writes its metadata map in hash order, and a shard must
-        # come out byte-identical when a killed extract redoes it
-        save_file(tensors, str(tmp), metadata={"eagleops": json.dumps({"first_sample": first, "aux_layers": list(aux_layers)}, sort_keys=True)})
-        os.replace(tmp, out / name)
-        index["shards"][name] = {"first_sample": first, "samples": len(chunk), "tokens": offsets[-1], "bytes": (out / name).stat().st_size}
-        write_json_atomic(index_path, index)
+            chunk = samples[first : first + per]
+            offsets = [0]
+            for ids, _ in chunk:
+                offsets.append(offsets[-1] + len(ids))
+            # the shard's tensors, filled in place batch by batch (no per-sample copies, no concat)
+            aux_out = torch.empty((offsets[-1], 3 * hidden_size), dtype=torch.bfloat16)
+            final_out = torch.empty((offsets[-1], hidden_size), dtype=torch.bfloat16)
+            for batch in length_batches([len(ids) for ids, _ in chunk], config.extract.batch_tokens):
+                ctx.checkpoint()
+                t0 = time.perf_counter()
+                aux, final = forward_features(model, [chunk[i][0] for i in batch], aux_layers, device, torch.bfloat16)
+                aux, final = aux.cpu(), final.cpu()
+                for row, i in enumerate(batch):
+                    n = offsets[i + 1] - offsets[i]
+                    aux_out[offsets[i] : offsets[i + 1]] = aux[row, :n]
+                    final_out[offsets[i] : offsets[i + 1]] = final[row, :n]
+                compute_s += time.perf_counter() - t0
+                fresh_tokens += sum(len(chunk[i][0]) for i in batch)
+                ctx.progress(done_tokens + fresh_tokens, total_tokens, "tokens")
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(_write_shard, out, name, chunk, offsets, aux_out, final_out, first, aux_layers, index, index_path)
+        if pending is not None:
+            pending.result()
+    finally:
+        writer.shutdown(wait=True)
     stored = sum(s["bytes"] for s in index["shards"].values())
     tokens = sum(s["tokens"] for s in index["shards"].values())
     hidden = model.config.hidden_size

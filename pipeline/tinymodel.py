@@ -35,10 +35,26 @@ _WORDS = (
 ).split()
 
 
+def _successors() -> dict[str, list[str]]:
+    """A fixed little 'language': every word has three likely successors. Text drawn from it has
+    structure a model can learn and a drafter can anticipate, unlike uniform word salad."""
+    chain_rng = random.Random(1234)
+    vocabulary = _TOPICS + _WORDS
+    return {word: chain_rng.sample(vocabulary, 3) for word in vocabulary}
+
+
+_NEXT = _successors()
+
+
 def sample_text(rng: random.Random, words: int) -> str:
-    out = []
-    for _ in range(words):
-        out.append(rng.choice(_TOPICS) if rng.random() < 0.35 else rng.choice(_WORDS))
+    word = rng.choice(_TOPICS + _WORDS)
+    out = [word]
+    for _ in range(words - 1):
+        if rng.random() < 0.08:
+            word = rng.choice(_TOPICS + _WORDS)  # now and then a fresh start
+        else:
+            word = rng.choices(_NEXT[word], weights=(0.75, 0.17, 0.08))[0]
+        out.append(word)
     sentence = " ".join(out)
     return sentence[:1].upper() + sentence[1:] + rng.choice([".", "?", "!"])
 
