@@ -164,10 +164,14 @@ def test_the_readme_demo_runs_offline(tmp_path):
         capture_output=True, text=True, env=_env(), timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "generate: done" in result.stdout
+    for stage in ("generate", "prepare", "extract", "train", "export", "eval"):
+        assert f"STAGE   {stage}: done" in result.stdout, stage
     for name in ("B1", "B2", "B3"):
         manifest = json.loads((tmp_path / "demo" / "out" / name / "manifest.json").read_text())
         assert manifest["totals"]["samples"] > 0
+    evaluation = json.loads((tmp_path / "demo" / "out" / "eval.json").read_text())
+    assert evaluation["acceptance_length"] > 1.5 and evaluation["greedy_mismatches"] == 0
     again = subprocess.run([sys.executable, "-m", "console.cli", "demo", "--no-tui", "--dir", str(tmp_path / "demo")], capture_output=True, text=True, env=_env(), timeout=300)
     assert again.returncode == 0
     assert again.stdout.count("budget reached") >= 3  # at budget: skipped at once
+    assert "prepare: up to date" in again.stdout
