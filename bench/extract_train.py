@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from pipeline.config import parse_run  # noqa: E402
 from pipeline.demo import TINY_PRETRAIN_STEPS  # noqa: E402
-from pipeline.extract import length_batches, load_target  # noqa: E402
+from pipeline.extract import length_batches, load_target, pad_batch  # noqa: E402
 from pipeline.prepare import load_prepared, prepare  # noqa: E402
 from pipeline.stagectl import StageContext  # noqa: E402
 from pipeline.tinymodel import build_tiny_model, sample_text  # noqa: E402
@@ -80,12 +80,7 @@ def main() -> None:
         batches = [b for first in range(0, len(samples), 256) for b in [[first + i for i in batch] for batch in length_batches([len(ids) for ids, _ in samples[first : first + 256]], 8192)]]
 
         def bare(batch):
-            width = max(len(samples[i][0]) for i in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, i in enumerate(batch):
-                ids[row, : len(samples[i][0])] = samples[i][0].long()
-                mask[row, : len(samples[i][0])] = 1
+            ids, mask = pad_batch([samples[i][0] for i in batch])
             with torch.inference_mode():
                 model.model(input_ids=ids, attention_mask=mask, use_cache=False)
 
@@ -103,12 +98,7 @@ def main() -> None:
         everything = []
         with torch.inference_mode():
             for batch in length_batches([len(ids) for ids, _ in first], 8192):
-                width = max(len(first[i][0]) for i in batch)
-                ids = torch.zeros((len(batch), width), dtype=torch.long)
-                mask = torch.zeros((len(batch), width), dtype=torch.long)
-                for row, i in enumerate(batch):
-                    ids[row, : len(first[i][0])] = first[i][0].long()
-                    mask[row, : len(first[i][0])] = 1
+                ids, mask = pad_batch([first[i][0] for i in batch])
                 out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
                 for row, i in enumerate(batch):
                     everything.append(torch.cat([h[row, : len(first[i][0])] for h in out.hidden_states], dim=-1).bfloat16())

@@ -14,7 +14,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Header, Log
 
 from pipeline.config import RunConfig
-from pipeline.control import ControlError, ControlServer, socket_path_for
+from pipeline.control import ControlError, serve_control
 from pipeline.engine import Engine
 from pipeline.events import Command, DatasetState, Kill, LogEvent, Pause, Resume, SetBudget, StageState
 from pipeline.headless import exit_code
@@ -213,14 +213,7 @@ async def run_console(config: RunConfig, *, theme: str = "dark", refresh_s: floa
     """``eagleops run`` with the TUI: engine and console in one event loop, socket served too."""
     engine = Engine(config, stages=stages)
     await engine.open()
-    server = ControlServer(engine, socket_path_for(config.name, config.output_dir))
-    try:
-        await server.start()
-    except (ControlError, OSError) as exc:
-        engine.log("warning", f"control socket unavailable: {exc}")
-        server = None
-    else:
-        engine.log("info", f"control socket: {server.path} (eagleops attach)")
+    server = await serve_control(engine)
     link = LocalLink(engine)
     app = EagleOpsApp(link, theme=theme, refresh_s=refresh_s)
     try:

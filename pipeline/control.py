@@ -24,7 +24,7 @@ from .events import Ack, Command, Event, command_from_json, event_from_json
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["ControlClient", "ControlServer", "ControlError", "find_sockets", "runtime_dir", "socket_path_for"]
+__all__ = ["ControlClient", "ControlServer", "ControlError", "find_sockets", "runtime_dir", "serve_control", "socket_path_for"]
 
 _LIMIT = 1 << 20
 
@@ -65,6 +65,18 @@ def find_sockets() -> list[Path]:
         return []
     found = [p for p in folder.glob("*.sock") if _is_live(p)]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+async def serve_control(engine: "Engine") -> "ControlServer | None":
+    """Serve ``engine``'s commands on its run's socket; a run goes on without one if it can't."""
+    server = ControlServer(engine, socket_path_for(engine.config.name, engine.config.output_dir))
+    try:
+        await server.start()
+    except (ControlError, OSError) as exc:
+        engine.log("warning", f"control socket unavailable: {exc}")
+        return None
+    engine.log("info", f"control socket: {server.path} (eagleops attach / status)")
+    return server
 
 
 class ControlServer:

@@ -27,7 +27,7 @@ from .prepare import load_prepared
 from .stagectl import StageContext
 from .store import write_json_atomic
 
-__all__ = ["FeatureShards", "extract", "forward_features", "length_batches", "load_target", "pick_device"]
+__all__ = ["FeatureShards", "extract", "forward_features", "length_batches", "load_target", "pad_batch", "pick_device"]
 
 
 def pick_device(target: TargetConfig):
@@ -72,16 +72,24 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+def pad_batch(rows):
+    """(input_ids, attention_mask) [B, W] of 1-D id tensors right-padded to the longest."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r.long()
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
 def forward_features(model, input_ids_list, aux_layers, device, dtype=None):
     """(aux [B, W, 3H], final [B, W, H]) for 1-D id tensors right-padded together to width W."""
     import torch
 
-    width = max(len(x) for x in input_ids_list)
-    ids = torch.zeros((len(input_ids_list), width), dtype=torch.long)
-    mask = torch.zeros((len(input_ids_list), width), dtype=torch.long)
-    for row, x in enumerate(input_ids_list):
-        ids[row, : len(x)] = x.long()
-        mask[row, : len(x)] = 1
+    ids, mask = pad_batch(input_ids_list)
     with torch.inference_mode():
         out = model.model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, use_cache=False)
         hidden = out.hidden_states  # [embeddings, layer 0 out, ..., layer N-1 out (post-norm)]

@@ -11,7 +11,7 @@ import time
 from typing import TextIO
 
 from .config import RunConfig
-from .control import ControlError, ControlServer, socket_path_for
+from .control import serve_control
 from .engine import Engine, RunSummary
 from .events import DatasetProgress, DatasetState, StageProgress
 from .report import format_event, json_line, status_line
@@ -85,16 +85,7 @@ async def run_headless(
     out = out or sys.stdout
     engine = Engine(config, stages=stages)
     await engine.open()
-    server = None
-    if serve_socket:
-        server = ControlServer(engine, socket_path_for(config.name, config.output_dir))
-        try:
-            await server.start()
-        except (ControlError, OSError) as exc:
-            engine.log("warning", f"control socket unavailable: {exc}")
-            server = None
-        else:
-            engine.log("info", f"control socket: {server.path}")
+    server = await serve_control(engine) if serve_socket else None
     install_kill_signals(engine)
     printer = asyncio.create_task(_print_events(engine, out, as_json, config.status_interval_s), name="printer")
     try:

@@ -99,6 +99,8 @@ def dataset_cells(p: DatasetProgress) -> dict[str, str]:
         "failures": str(p.failures + p.bad_lines),
         "truncated": str(p.truncated),
         "cost": f"${p.cost:.2f}" if p.cost else "",
+        # paid APIs: what the whole budget will cost at the price per token seen so far
+        "projected_cost": f"${p.cost / p.tokens * max(p.budget, p.tokens):.2f}" if p.cost and p.tokens else "",
     }
 
 
@@ -119,7 +121,7 @@ def status_line(p: DatasetProgress) -> str:
     if p.truncated:
         parts.append(f"length-cut {c['truncated']}")
     if c["cost"]:
-        parts.append(f"spend {c['cost']}")
+        parts.append(f"spend {c['cost']} (at budget {c['projected_cost']})")
     if p.reason and p.state.terminal:
         parts.append(f"[{p.reason}]")
     return "  ".join(parts)

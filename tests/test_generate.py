@@ -115,6 +115,16 @@ async def test_missing_usage_falls_back_to_the_local_tokenizer(tmp_path, fault_s
     assert record["usage_source"] == "tokenizer" and record["completion_tokens"] == expected
 
 
+async def test_paid_api_spend_is_counted_and_projected(tmp_path, fault_server):
+    from pipeline.report import status_line
+
+    source = write_jsonl(tmp_path / "a.jsonl", prompts(10, "[[tokens:50]] [[cost:0.002]]"))
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": 1000}], concurrency=1)
+    (progress,) = (await Engine(config).run()).datasets
+    assert progress.cost == pytest.approx(0.002 * progress.samples)
+    assert f"spend ${progress.cost:.2f} (at budget ${progress.cost / progress.tokens * 1000:.2f})" in status_line(progress)
+
+
 async def test_live_budget_up_resumes_and_down_stops_issuing(tmp_path, fault_server):
     source = write_jsonl(tmp_path / "a.jsonl", prompts(400, "[[tokens:20]] [[delay:0.03]]"))
     slow = write_jsonl(tmp_path / "slow.jsonl", prompts(20, "[[tokens:1]] [[delay:0.5]]", "slow"))

@@ -128,6 +128,19 @@ def test_prepare_dedupes_holds_out_and_writes_shards(workdir, tiny_model):
     assert again["fingerprint"] == index["fingerprint"]
 
 
+def test_prepare_takes_pre_tokenized_extra_sets(workdir, tiny_model):
+    extra = workdir / "extra.jsonl"
+    extra.write_text("".join(json.dumps({"input_ids": [0, 5, 6, 7, 1], "loss_mask": [0, 0, 1, 1, 1]}) + "\n" for _ in range(7)))
+    plain = _stage(_config(workdir, tiny_model), "prepare")
+    with_extra = _stage(_config(workdir, tiny_model, prepare={"extra": [str(extra)]}), "prepare")
+    assert with_extra["samples"] == plain["samples"] + 7
+    extra.write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
+    from pipeline.prepare import PrepareError
+
+    with pytest.raises(PrepareError, match=r"extra.jsonl:1: input_ids and loss_mask must be integer lists of equal length"):
+        _stage(_config(workdir, tiny_model, prepare={"extra": [str(extra)], "seed": 1}), "prepare")
+
+
 def test_bad_generated_line_names_file_and_line(workdir, tiny_model):
     config = _config(workdir, tiny_model)
     with open(workdir / "out" / "B2" / "data.jsonl", "a") as f:

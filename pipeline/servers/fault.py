@@ -11,6 +11,7 @@ Faults are asked for in the prompt text, so a test decides exactly what each rec
     [[fault:echo-auth]]  HTTP 400 whose body echoes the Authorization header (redaction test)
     [[tokens:N]]         answer with N completion tokens (N words)
     [[delay:S]]          answer after S seconds
+    [[cost:X]]           report ``usage.cost`` = X dollars, as OpenRouter does
 
 ``--fault-rate`` adds random transient faults (500, 429, reset, malformed) to any request.
 ``GET /admin/stats`` reports requests, completions, disconnects and peak concurrency.
@@ -32,7 +33,7 @@ from aiohttp import web
 
 from .common import LOOPBACK, client_gone, serve_forever
 
-_DIRECTIVE = re.compile(r"\[\[(fault|tokens|delay):([^\]]+)\]\]")
+_DIRECTIVE = re.compile(r"\[\[(fault|tokens|delay|cost):([^\]]+)\]\]")
 _WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box".split()
 
 
@@ -103,13 +104,15 @@ class FaultServer:
         directives = _DIRECTIVE.findall(text)
         key = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
         attempt = self.attempts[key] = self.attempts.get(key, 0) + 1
-        tokens, usage, delay = self.default_tokens, True, self.latency_s
+        tokens, usage, delay, cost = self.default_tokens, True, self.latency_s, None
         fault: str | None = None
         for kind, arg in directives:
             if kind == "tokens":
                 tokens = int(arg)
             elif kind == "delay":
                 delay = float(arg)
+            elif kind == "cost":
+                cost = float(arg)
             elif kind == "fault":
                 name, _, times = arg.partition("x")
                 if arg == "nousage":
@@ -125,7 +128,12 @@ class FaultServer:
             return await self._fault(request, fault)
         self.stats["completed"] += 1
         prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
-        return web.Response(body=self._answer(tokens, usage, prompt_tokens), content_type="application/json")
+        body = self._answer(tokens, usage, prompt_tokens)
+        if cost is not None:
+            payload = json.loads(body)
+            payload["usage"]["cost"] = cost
+            body = json.dumps(payload).encode()
+        return web.Response(body=body, content_type="application/json")
 
     async def _fault(self, request: web.Request, fault: str) -> web.StreamResponse:
         if fault == "stall":
