@@ -76,7 +76,6 @@ def main() -> None:
         extract_s = time.perf_counter() - t0
 
         model, device, _ = load_target(config.target)
-        aux_layers = tuple(features_index["aux_layers"])
         batches = [b for first in range(0, len(samples), 256) for b in [[first + i for i in batch] for batch in length_batches([len(ids) for ids, _ in samples[first : first + 256]], 8192)]]
 
         def bare(batch):

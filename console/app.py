@@ -16,7 +16,7 @@ from textual.widgets import Footer, Header, Log
 from pipeline.config import RunConfig
 from pipeline.control import ControlError, serve_control
 from pipeline.engine import Engine
-from pipeline.events import Command, DatasetState, Kill, LogEvent, Pause, Resume, SetBudget, StageState
+from pipeline.events import Command, Kill, LogEvent, Pause, Resume, SetBudget, StageState
 from pipeline.headless import exit_code
 from pipeline.report import format_event
 
@@ -203,10 +203,6 @@ class EagleOpsApp(App[int]):
         await self.link.stop()
         summary = getattr(self.link, "summary", None)
         self.exit(exit_code(summary) if summary is not None else 0)
-
-
-def _any_running(app: EagleOpsApp) -> bool:
-    return any(d.state in (DatasetState.RUNNING, DatasetState.PAUSED) for d in app.state.datasets.values())
 
 
 async def run_console(config: RunConfig, *, theme: str = "dark", refresh_s: float = 1.0, stages: tuple[str, ...] | None = None) -> int:

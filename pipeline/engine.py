@@ -686,8 +686,8 @@ class Engine:
             await asyncio.gather(*helpers, return_exceptions=True)
             for runner in self.runners.values():
                 await asyncio.shield(self.flush_store(runner.store, force_manifest=True))
-        for runner in self.runners.values():
-            self.publish(runner.progress())
+        for event in [*(r.progress() for r in self.runners.values()), *self.endpoint_stats()]:
+            self.publish(event)  # the final numbers, with nothing left in flight
         states = [r.state for r in self.runners.values()]
         if self._killed:
             self._set_stage("generate", StageStatus.KILLED)

@@ -11,7 +11,6 @@ to the target's own greedy decoding, which is checked on every prompt.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import torch

@@ -14,7 +14,7 @@ import pytest
 
 from console.app import EagleOpsApp
 from console.link import LocalLink, SocketLink
-from console.widgets import DatasetsTable, GpuPane, ServerPane, StagesPane
+from console.widgets import DatasetsTable, GpuPane
 from pipeline.engine import Engine
 from pipeline.events import (
     Ack,
