@@ -21,6 +21,7 @@ import math
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -234,15 +235,26 @@ def train(config: RunConfig, ctx: StageContext) -> dict[str, Any]:
                                     "drafter_config": drafter.config.to_dict()})  # fmt: skip
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    def load(at: int) -> dict[str, torch.Tensor]:
+        """The batch of step ``at``: a pure function of (seed, epoch, position, rank)."""
+        epoch, in_epoch = divmod(at, steps_per_epoch)
+        order = _order(n, tc.seed, epoch)[rank * per_rank : (rank + 1) * per_rank]
+        chunk = order[in_epoch * tc.batch_size : (in_epoch + 1) * tc.batch_size]
+        batch = _collate([features[i] for i in chunk], torch.device("cpu"), torch.float32)
+        return {k: v.pin_memory() for k, v in batch.items()} if device.type == "cuda" else batch
+
+    # One batch is read and collated ahead in a thread while the current one trains, so the
+    # accelerator does not wait on feature reads (shards are only touched from that thread).
+    prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+    upcoming = prefetch.submit(load, step) if step < total_steps else None
     started, first_step = time.monotonic(), step
     model.train()
     try:
         while step < total_steps:
-            epoch, in_epoch = divmod(step, steps_per_epoch)
-            order = _order(n, tc.seed, epoch)[rank * per_rank : (rank + 1) * per_rank]
-            chunk = order[in_epoch * tc.batch_size : (in_epoch + 1) * tc.batch_size]
+            epoch = step // steps_per_epoch
             ctx.checkpoint()
-            batch = _collate([features[i] for i in chunk], device, torch.float32)
+            batch = {k: v.to(device, non_blocking=True) for k, v in upcoming.result().items()}
+            upcoming = prefetch.submit(load, step + 1) if step + 1 < total_steps else None
             with autocast:
                 loss, losses, accs = model(batch)
             optimizer.zero_grad(set_to_none=True)
@@ -262,6 +274,8 @@ def train(config: RunConfig, ctx: StageContext) -> dict[str, Any]:
     except StageKilled:
         save()
         raise
+    finally:
+        prefetch.shutdown(wait=True, cancel_futures=True)
     save()
     if rank == 0:
         with open(out / "history.jsonl", "w") as f:
