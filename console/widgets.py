@@ -56,7 +56,7 @@ class DatasetsTable(Widget, can_focus=True):
     """
 
     BINDINGS = [
-        Binding("up,k_up", "cursor(-1)", "Up", show=False),
+        Binding("up", "cursor(-1)", "Up", show=False),
         Binding("down", "cursor(1)", "Down", show=False),
         Binding("home", "cursor(-1000)", show=False),
         Binding("end", "cursor(1000)", show=False),
