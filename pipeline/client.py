@@ -251,6 +251,7 @@ class ChatClient:
             else:
                 completion_tokens = estimate_tokens(text)
                 source = "estimate"
+        endpoint.meter.add(completion_tokens)  # after any local count, so tok/s includes it
         return Completion(
             text=text,
             finish_reason=finish,
@@ -310,5 +311,4 @@ class ChatClient:
         latency = time.monotonic() - sent
         endpoint.requests += 1
         endpoint.latencies.append(latency)
-        endpoint.meter.add(completion_tokens or 0)
         return text, finish, prompt_tokens, completion_tokens, cost

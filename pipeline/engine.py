@@ -127,6 +127,9 @@ class DatasetRunner:
         cap = self.config.max_samples
         return done.tokens >= self.budget or (cap is not None and done.samples >= cap)
 
+    def _limit_reason(self) -> str:
+        return "budget reached" if self.store.accepted.tokens >= self.budget else "sample cap reached"
+
     def wake(self) -> None:
         self._wake.set()
 
@@ -139,7 +142,7 @@ class DatasetRunner:
         self.store.rewind_to_watermark()
         self._exhausted = False
         if self.at_limit():
-            self._finish(DatasetState.DONE, "budget reached" if self.store.accepted.tokens >= self.budget else "sample cap reached")
+            self._finish(DatasetState.DONE, self._limit_reason())
             return
         self._set(DatasetState.PAUSED if self.paused else DatasetState.RUNNING)
         failure: str | None = None
@@ -156,7 +159,7 @@ class DatasetRunner:
             self._finish(DatasetState.FAILED, failure)
             return
         if self.at_limit():
-            self._finish(DatasetState.DONE, "budget reached" if self.store.accepted.tokens >= self.budget else "sample cap reached")
+            self._finish(DatasetState.DONE, self._limit_reason())
         elif self._exhausted:
             self._finish(DatasetState.DONE, "source exhausted")
         else:

@@ -50,7 +50,8 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length:
         if message["role"] != "assistant":
             continue
         before = _ids(tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=True)) if k else []
-        through = _ids(tokenizer.apply_chat_template(messages[: k + 1], tokenize=True))
+        # the last turn's render is the whole conversation: no need to render it twice
+        through = full if k + 1 == len(messages) else _ids(tokenizer.apply_chat_template(messages[: k + 1], tokenize=True))
         if full[: len(through)] != through or through[: len(before)] != before:
             raise PrepareError(
                 "the chat template does not render conversations prefix-consistently, so assistant spans "

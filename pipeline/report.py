@@ -63,7 +63,8 @@ def sparkline(values: list[float], width: int, *, ceiling: float | None = None) 
         return ""
     if len(values) > width:
         step = len(values) / width
-        values = [sum(values[int(i * step) : int((i + 1) * step)] or [0.0]) / max(1, len(values[int(i * step) : int((i + 1) * step)])) for i in range(width)]
+        buckets = [values[int(i * step) : max(int(i * step) + 1, int((i + 1) * step))] for i in range(width)]
+        values = [sum(b) / len(b) for b in buckets]
     top = ceiling if ceiling is not None else max(values)
     if top <= 0:
         return _SPARK[0] * len(values)
