@@ -28,9 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import parse_run  # noqa: E402
-from pipeline.demo import start_server  # noqa: E402
+from pipeline.servers.launch import start_server  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
-from pipeline.store import MANIFEST_VERSION, DatasetStore, source_fingerprint  # noqa: E402
+from pipeline.generate.store import MANIFEST_VERSION, DatasetStore, source_fingerprint  # noqa: E402
 
 
 def _prompts(path: Path, n: int) -> Path:

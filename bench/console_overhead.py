@@ -26,7 +26,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.demo import start_server  # noqa: E402
+from pipeline.servers.launch import start_server  # noqa: E402
 
 
 def _run_file(work: Path, base_url: str, name: str) -> Path:

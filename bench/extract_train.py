@@ -26,11 +26,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from pipeline.config import parse_run  # noqa: E402
-from pipeline.demo import TINY_PRETRAIN_STEPS  # noqa: E402
-from pipeline.extract import length_batches, load_target, pad_batch  # noqa: E402
-from pipeline.prepare import load_prepared, prepare  # noqa: E402
-from pipeline.stagectl import StageContext  # noqa: E402
-from pipeline.tinymodel import build_tiny_model, sample_text  # noqa: E402
+from pipeline.demo.demo import TINY_PRETRAIN_STEPS  # noqa: E402
+from pipeline.training.extract import length_batches, load_target, pad_batch  # noqa: E402
+from pipeline.training.prepare import load_prepared, prepare  # noqa: E402
+from pipeline.training.context import StageContext  # noqa: E402
+from pipeline.demo.tinymodel import build_tiny_model, sample_text  # noqa: E402
 
 
 def _conversations(path: Path, n: int) -> None:
@@ -68,7 +68,7 @@ def main() -> None:
         index, samples = load_prepared(config.prepared_dir)
         tokens = index["tokens"]
 
-        from pipeline.stages import stage_functions
+        from pipeline.training.stages import stage_functions
 
         extract = stage_functions()["extract"]
         t0 = time.perf_counter()

@@ -14,16 +14,16 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Header, Log
 
 from pipeline.config import RunConfig
-from pipeline.control import ControlError, serve_control
+from pipeline.protocol.control import ControlError
 from pipeline.engine import Engine
-from pipeline.events import Command, Kill, LogEvent, Pause, Resume, SetBudget, StageState
-from pipeline.headless import exit_code
-from pipeline.report import format_event
+from pipeline.protocol.events import Command, Kill, LogEvent, Pause, Resume, SetBudget, StageState
+from pipeline.engine.headless import exit_code
+from pipeline.protocol.report import format_event
 
 from .link import EngineLink, LocalLink, SocketLink
 from .screens import BudgetScreen, ConfirmScreen, HelpScreen
 from .state import ConsoleState
-from .widgets import DatasetsTable, GpuPane, ServerPane, StagesPane
+from .panes import DatasetsTable, GpuPane, ServerPane, StagesPane
 
 __all__ = ["EagleOpsApp", "THEMES", "attach_console", "run_console"]
 
@@ -209,7 +209,7 @@ async def run_console(config: RunConfig, *, theme: str = "dark", refresh_s: floa
     """``eagleops run`` with the TUI: engine and console in one event loop, socket served too."""
     engine = Engine(config, stages=stages)
     await engine.open()
-    server = await serve_control(engine)
+    server = await engine.serve_socket()
     link = LocalLink(engine)
     app = EagleOpsApp(link, theme=theme, refresh_s=refresh_s)
     try:

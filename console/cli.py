@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 from pipeline.config import ConfigError, load_run, parse_tokens
-from pipeline.control import ControlClient, ControlError, find_sockets, runtime_dir
+from pipeline.protocol.control import ControlClient, ControlError, find_sockets, runtime_dir
 from pipeline.engine import EngineError
-from pipeline.events import DatasetProgress, Kill, Pause, Resume, SetBudget
-from pipeline.report import format_event, json_line, status_line
+from pipeline.protocol.events import DatasetProgress, Kill, Pause, Resume, SetBudget
+from pipeline.protocol.report import format_event, json_line, status_line
 
 EXIT_USAGE = 2
 
@@ -125,9 +125,9 @@ STAGE_COMMANDS = ("prepare", "extract", "train", "export", "eval")
 
 def _distributed_stage(config, stage: str) -> int:
     """Under torchrun every rank runs the stage itself (no engine, socket or lock); rank 0 talks."""
-    from pipeline.report import format_event
-    from pipeline.stagectl import StageContext, StageKilled
-    from pipeline.stages import stage_functions
+    from pipeline.protocol.report import format_event
+    from pipeline.training.context import StageContext, StageKilled
+    from pipeline.training.stages import stage_functions
 
     def emit(event) -> None:
         if (line := format_event(event)) is not None:
@@ -148,7 +148,7 @@ def _distributed_stage(config, stage: str) -> int:
 
 
 def _run(config, args: argparse.Namespace, stages: tuple[str, ...] | None = None) -> int:
-    from pipeline.headless import run_headless
+    from pipeline.engine.headless import run_headless
 
     if stages is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _distributed_stage(config, stages[0])
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 return _die(f"{args.run_file}: {args.command} needs a [target] table naming the target model", EXIT_USAGE)
             return _run(config, args, stages=(args.command,))
         if args.command == "demo":
-            from pipeline.demo import prepare_demo
+            from pipeline.demo.demo import prepare_demo
 
             demo = prepare_demo(args.dir, fresh=args.fresh, log=lambda m: print(m, file=sys.stderr, flush=True))
             with demo.serve() as run_path:

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.control import ControlClient
+from pipeline.protocol.control import ControlClient
 from pipeline.engine import Engine, RunSummary
-from pipeline.events import Ack, Command, Event
+from pipeline.protocol.events import Ack, Command, Event
 
 __all__ = ["EngineLink", "LocalLink", "SocketLink"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import parse_run
-from pipeline.demo import start_server
+from pipeline.servers.launch import start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -49,8 +49,8 @@ def fault_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from pipeline.demo import TINY_PRETRAIN_STEPS
-    from pipeline.tinymodel import build_tiny_model
+    from pipeline.demo.demo import TINY_PRETRAIN_STEPS
+    from pipeline.demo.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", pretrain_steps=TINY_PRETRAIN_STEPS)
 

@@ -14,9 +14,9 @@ import pytest
 
 from console.app import EagleOpsApp
 from console.link import LocalLink, SocketLink
-from console.widgets import DatasetsTable, GpuPane
+from console.panes import DatasetsTable, GpuPane
 from pipeline.engine import Engine
-from pipeline.events import (
+from pipeline.protocol.events import (
     Ack,
     DatasetProgress,
     DatasetState,
@@ -32,7 +32,7 @@ from pipeline.events import (
     StageState,
     StageStatus,
 )
-from pipeline.telemetry import NvmlReader, parse_prometheus, server_metrics
+from pipeline.engine.telemetry import NvmlReader, parse_prometheus, server_metrics
 
 from .conftest import make_config, write_jsonl
 
@@ -296,7 +296,7 @@ def _run_file(tmp_path: Path, base_url: str, n: int = 2000) -> Path:
 
 
 def _wait_for_socket(timeout: float = 30) -> Path:
-    from pipeline.control import find_sockets
+    from pipeline.protocol.control import find_sockets
 
     deadline = time.monotonic() + timeout
     while not (found := find_sockets()):
@@ -325,7 +325,7 @@ async def test_two_attached_consoles_see_the_same_headless_run(tmp_path, fault_s
             await one.press("q")  # detach: no confirmation, the run goes on
             await one.pause(0.3)
         assert engine.poll() is None
-        from pipeline.control import ControlClient
+        from pipeline.protocol.control import ControlClient
 
         client = ControlClient(path)
         status = await client.status()

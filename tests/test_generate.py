@@ -10,10 +10,10 @@ from collections import Counter
 
 import pytest
 
-from pipeline.control import ControlClient, ControlServer, socket_path_for
+from pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
 from pipeline.engine import Engine
-from pipeline.events import DatasetProgress, DatasetState, Kill, LogEvent, Pause, Resume, SetBudget
-from pipeline.headless import run_headless
+from pipeline.protocol.events import DatasetProgress, DatasetState, Kill, LogEvent, Pause, Resume, SetBudget
+from pipeline.engine.headless import run_headless
 
 from .conftest import make_config, read_jsonl, write_jsonl
 
@@ -116,7 +116,7 @@ async def test_missing_usage_falls_back_to_the_local_tokenizer(tmp_path, fault_s
 
 
 async def test_paid_api_spend_is_counted_and_projected(tmp_path, fault_server):
-    from pipeline.report import status_line
+    from pipeline.protocol.report import status_line
 
     source = write_jsonl(tmp_path / "a.jsonl", prompts(10, "[[tokens:50]] [[cost:0.002]]"))
     config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": 1000}], concurrency=1)
@@ -216,7 +216,7 @@ async def test_kill_one_dataset_leaves_the_others_running(tmp_path, fault_server
 
 
 async def test_endpoints_are_load_balanced(tmp_path, fault_server, tmp_path_factory):
-    from pipeline.demo import start_server
+    from pipeline.servers.launch import start_server
 
     folder = tmp_path_factory.mktemp("second")
     with start_server(["pipeline.servers.fault", "--tokens", "5"], folder / "port", log_path=folder / "log") as port:

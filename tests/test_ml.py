@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from pipeline.config import parse_run
-from pipeline.demo import start_server, write_demo_datasets
+from pipeline.demo.demo import write_demo_datasets
+from pipeline.servers.launch import start_server
 from pipeline.engine import Engine
-from pipeline.events import StageStatus
-from pipeline.prepare import build_draft_vocab, tokenize_conversation
-from pipeline.stagectl import StageContext, StageKilled
+from pipeline.protocol.events import StageStatus
+from pipeline.training.prepare import build_draft_vocab, tokenize_conversation
+from pipeline.training.context import StageContext, StageKilled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,7 +67,7 @@ def workdir(tmp_path, generated) -> Path:
 
 
 def _stage(config, name: str, ctx: StageContext | None = None):
-    from pipeline.stages import stage_functions
+    from pipeline.training.stages import stage_functions
 
     return stage_functions()[name](config, ctx or StageContext(name))
 
@@ -135,7 +136,7 @@ def test_prepare_takes_pre_tokenized_extra_sets(workdir, tiny_model):
     with_extra = _stage(_config(workdir, tiny_model, prepare={"extra": [str(extra)]}), "prepare")
     assert with_extra["samples"] == plain["samples"] + 7
     extra.write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
-    from pipeline.prepare import PrepareError
+    from pipeline.training.prepare import PrepareError
 
     with pytest.raises(PrepareError, match=r"extra.jsonl:1: input_ids and loss_mask must be integer lists of equal length"):
         _stage(_config(workdir, tiny_model, prepare={"extra": [str(extra)], "seed": 1}), "prepare")
@@ -145,7 +146,7 @@ def test_bad_generated_line_names_file_and_line(workdir, tiny_model):
     config = _config(workdir, tiny_model)
     with open(workdir / "out" / "B2" / "data.jsonl", "a") as f:
         f.write('{"id": "x", "conversations": [{"role": "user", "content": "hi"}]}\n')
-    from pipeline.prepare import PrepareError
+    from pipeline.training.prepare import PrepareError
 
     with pytest.raises(PrepareError, match=r"B2/data.jsonl:\d+: conversations: conversations must end with an assistant turn"):
         _stage(config, "prepare")
@@ -257,7 +258,7 @@ def test_torchrun_two_processes_on_cpu(workdir, tiny_model):
 def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
     from safetensors import safe_open
 
-    from pipeline.evaluate import evaluate
+    from pipeline.training.evaluate import evaluate
 
     config = _config(workdir, tiny_model)
     engine = Engine(config, stages=("prepare", "extract", "train", "export", "eval"))

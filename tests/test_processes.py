@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.demo import start_server
+from pipeline.servers.launch import start_server
 
 from .conftest import read_jsonl, write_jsonl
 

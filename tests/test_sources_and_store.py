@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from pipeline.sources import BadLine, Prompt, SourceReader, prompt_id_for
-from pipeline.store import DatasetStore, StoreError
+from pipeline.generate.sources import BadLine, Prompt, SourceReader, prompt_id_for
+from pipeline.generate.store import DatasetStore, StoreError
 
 from .conftest import read_jsonl, write_jsonl
 

@@ -1,1 +1,1 @@
-"""Loopback servers: a real model server and a fault-injecting one."""
+"""Loopback servers: a real model server, a fault-injecting one, and how to start them."""

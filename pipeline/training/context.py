@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .events import Event, LogEvent, StageMetrics, StageProgress
+from pipeline.protocol.events import Event, LogEvent, StageMetrics, StageProgress
 
 __all__ = ["StageContext", "StageKilled"]
 

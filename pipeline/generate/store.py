@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .sources import BadLine, Prompt
+from pipeline.errors import RunError
+from pipeline.files import write_json_atomic
+from pipeline.generate.sources import BadLine, Prompt
 
 __all__ = ["DatasetStore", "StoreError", "Totals"]
 
@@ -31,8 +33,8 @@ MANIFEST_VERSION = 1
 _FINGERPRINT_SPAN = 4096
 
 
-class StoreError(RuntimeError):
-    pass
+class StoreError(RunError):
+    """An output directory that does not match its manifest or its source."""
 
 
 @dataclass
@@ -78,29 +80,6 @@ def _key(item: Prompt | BadLine) -> str:
 
 def _encode(record: dict[str, Any]) -> bytes:
     return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(payload, ensure_ascii=False, indent=1).encode("utf-8"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def source_fingerprint(path: Path, offset: int) -> str:

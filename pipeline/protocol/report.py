@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import time
 
-from .config import format_tokens
-from .events import DatasetProgress, EndpointStats, Event, LogEvent, StageMetrics, StageProgress, StageState
+from pipeline.config import format_tokens
+from pipeline.protocol.events import DatasetProgress, EndpointStats, Event, LogEvent, StageMetrics, StageProgress, StageState
 
 __all__ = [
     "dataset_cells",

@@ -10,11 +10,10 @@ import sys
 import time
 from typing import TextIO
 
-from .config import RunConfig
-from .control import serve_control
-from .engine import Engine, RunSummary
-from .events import DatasetProgress, DatasetState, StageProgress
-from .report import format_event, json_line, status_line
+from pipeline.config import RunConfig
+from pipeline.engine import Engine, RunSummary
+from pipeline.protocol.events import DatasetProgress, DatasetState, StageProgress
+from pipeline.protocol.report import format_event, json_line, status_line
 
 __all__ = ["exit_code", "run_headless", "install_kill_signals"]
 
@@ -85,7 +84,7 @@ async def run_headless(
     out = out or sys.stdout
     engine = Engine(config, stages=stages)
     await engine.open()
-    server = await serve_control(engine) if serve_socket else None
+    server = await engine.serve_socket() if serve_socket else None
     install_kill_signals(engine)
     printer = asyncio.create_task(_print_events(engine, out, as_json, config.status_interval_s), name="printer")
     try:

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .config import RunConfig
-from .drafter import Eagle3Drafter
-from .stagectl import StageContext
+from pipeline.config import RunConfig
+from pipeline.training.drafter import Eagle3Drafter
+from pipeline.training.context import StageContext
 
 __all__ = ["EXPORTED_PREFIXES", "export", "load_exported"]
 

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import RunConfig
-from .drafter import DraftCache, Eagle3Drafter, drafter_config_from_target
-from .extract import FeatureShards, pick_device
-from .stagectl import StageContext, StageKilled
+from pipeline.config import RunConfig
+from pipeline.training.drafter import DraftCache, Eagle3Drafter, drafter_config_from_target
+from pipeline.training.extract import FeatureShards, pick_device
+from pipeline.training.context import StageContext, StageKilled
 
 __all__ = ["Eagle3Objective", "build_drafter", "load_target_tensors", "train"]
 

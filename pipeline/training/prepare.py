@@ -25,8 +25,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig
-from .stagectl import StageContext
+from pipeline.config import RunConfig
+from pipeline.training.context import StageContext
 
 __all__ = ["PrepareError", "build_draft_vocab", "load_prepared", "prepare", "tokenize_conversation"]
 

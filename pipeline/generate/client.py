@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from .config import EndpointConfig, RetryConfig, SamplingConfig
+from pipeline.config import EndpointConfig, RetryConfig, SamplingConfig
 
 __all__ = [
     "ChatClient",

@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig, TargetConfig
-from .drafter import eagle3_aux_layers
-from .prepare import load_prepared
-from .stagectl import StageContext
-from .store import write_json_atomic
+from pipeline.config import RunConfig, TargetConfig
+from pipeline.training.drafter import eagle3_aux_layers
+from pipeline.training.prepare import load_prepared
+from pipeline.training.context import StageContext
+from pipeline.files import write_json_atomic
 
 __all__ = ["FeatureShards", "extract", "forward_features", "length_batches", "load_target", "pad_batch", "pick_device"]
 

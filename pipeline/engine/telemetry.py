@@ -14,7 +14,7 @@ from typing import Protocol
 
 import aiohttp
 
-from .events import GpuStats, HostStats, ServerMetrics
+from pipeline.protocol.events import GpuStats, HostStats, ServerMetrics
 
 __all__ = ["GpuReader", "NvmlReader", "StaticGpuReader", "SyntheticGpuReader", "gpu_reader_from_env", "parse_prometheus", "read_host", "scrape_metrics", "server_metrics"]
 

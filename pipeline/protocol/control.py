@@ -17,20 +17,18 @@ import socket
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .events import Ack, Command, Event, command_from_json, event_from_json
+from pipeline.errors import RunError
+from pipeline.protocol.events import Ack, Command, Event, command_from_json, event_from_json
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ["ControlClient", "ControlServer", "ControlError", "find_sockets", "runtime_dir", "serve_control", "socket_path_for"]
+__all__ = ["ControlClient", "ControlServer", "ControlError", "find_sockets", "runtime_dir", "Controllable", "socket_path_for"]
 
 _LIMIT = 1 << 20
 
 
-class ControlError(RuntimeError):
-    pass
+class ControlError(RunError):
+    """No engine answers on the socket, or the socket cannot be served."""
 
 
 def runtime_dir() -> Path:
@@ -67,20 +65,24 @@ def find_sockets() -> list[Path]:
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
-async def serve_control(engine: "Engine") -> "ControlServer | None":
-    """Serve ``engine``'s commands on its run's socket; a run goes on without one if it can't."""
-    server = ControlServer(engine, socket_path_for(engine.config.name, engine.config.output_dir))
-    try:
-        await server.start()
-    except (ControlError, OSError) as exc:
-        engine.log("warning", f"control socket unavailable: {exc}")
-        return None
-    engine.log("info", f"control socket: {server.path} (eagleops attach / status)")
-    return server
+class EventStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[Event]: ...
+
+    def close(self) -> None: ...
+
+
+class Controllable(Protocol):
+    """What the socket serves: an engine's snapshot, its event stream and its commands."""
+
+    def snapshot(self) -> list[Event]: ...
+
+    def subscribe(self) -> EventStream: ...
+
+    async def execute(self, command: Command) -> Ack: ...
 
 
 class ControlServer:
-    def __init__(self, engine: "Engine", path: Path):
+    def __init__(self, engine: Controllable, path: Path):
         self.engine, self.path = engine, path
         self._server: asyncio.AbstractServer | None = None
         self._streams: set[asyncio.Task] = set()

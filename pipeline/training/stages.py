@@ -9,10 +9,10 @@ __all__ = ["stage_functions"]
 
 
 def stage_functions() -> dict[str, Callable[..., Any]]:
-    from .evaluate import evaluate
-    from .export import export
-    from .extract import extract
-    from .prepare import prepare
-    from .train import train
+    from pipeline.training.evaluate import evaluate
+    from pipeline.training.export import export
+    from pipeline.training.extract import extract
+    from pipeline.training.prepare import prepare
+    from pipeline.training.train import train
 
     return {"prepare": prepare, "extract": extract, "train": train, "export": export, "eval": evaluate}

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from .config import RunConfig
-from .drafter import Eagle3Drafter
-from .export import load_exported
-from .extract import load_target
-from .stagectl import StageContext
-from .train import build_drafter, target_head_and_embeddings
+from pipeline.config import RunConfig
+from pipeline.training.drafter import Eagle3Drafter
+from pipeline.training.export import load_exported
+from pipeline.training.extract import load_target
+from pipeline.training.context import StageContext
+from pipeline.training.train import build_drafter, target_head_and_embeddings
 
 __all__ = ["evaluate", "speculative_generate"]
 

@@ -9,17 +9,14 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tinymodel import build_tiny_model, sample_text
+from pipeline.demo.tinymodel import build_tiny_model, sample_text
+from pipeline.servers.launch import start_server
 
-__all__ = ["DemoRun", "prepare_demo", "start_server", "write_demo_datasets"]
+__all__ = ["DemoRun", "prepare_demo", "write_demo_datasets"]
 
 TINY_PRETRAIN_STEPS = 120  # a real (if tiny) language model: its next token has structure to learn
 
@@ -57,39 +54,6 @@ def write_demo_datasets(directory: Path, *, count: int = 300, seed: int = 1) -> 
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in items))
         os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def start_server(argv: list[str], port_file: Path, *, log_path: Path, timeout_s: float = 120.0) -> Iterator[int]:
-    """Start one of our loopback servers as a subprocess; yield its port; stop it after."""
-    port_file.unlink(missing_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", *argv, "--port", "0", "--port-file", str(port_file)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not port_file.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start in {timeout_s:.0f}s; see {log_path}")
-            time.sleep(0.05)
-        port = int(port_file.read_text())
-        while True:  # the port file is written once listening; health confirms the app is routed
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @dataclass

@@ -1,0 +1,47 @@
+"""The pipeline's stages: status, progress and ETA, the train loss plot, acceptance length."""
+
+from __future__ import annotations
+
+from pipeline.config import ALL_STAGES
+from pipeline.protocol.events import StageStatus
+from pipeline.protocol.report import format_duration, sparkline
+
+from ..state import ConsoleState
+from .text import TextPane
+
+__all__ = ["StagesPane"]
+
+
+_STAGE_MARK = {
+    StageStatus.PENDING: "·",
+    StageStatus.RUNNING: "▶",
+    StageStatus.PAUSED: "‖",
+    StageStatus.DONE: "✓",
+    StageStatus.KILLED: "✗",
+    StageStatus.FAILED: "✗",
+}
+
+
+class StagesPane(TextPane):
+    def __init__(self, **kwargs):
+        super().__init__("Stages", **kwargs)
+
+    def render_state(self, state: ConsoleState, width: int = 30) -> None:
+        lines = []
+        for name in ALL_STAGES:
+            stage = state.stages.get(name)
+            status = stage.status if stage else StageStatus.PENDING
+            line = f"{_STAGE_MARK[status]} {name:<9} {status.value:<8}"
+            progress = state.stage_progress.get(name)
+            if progress is not None and progress.total and status in (StageStatus.RUNNING, StageStatus.PAUSED):
+                line += f" {100 * progress.done / progress.total:5.1f}% ETA {format_duration(progress.eta_s)}"
+            lines.append(line)
+        train = state.stage_metrics.get("train", {})
+        if "loss" in train:
+            acc = train.get("acc") or []
+            lines.append(f"train step {train.get('step', '?')} loss {train['loss']:.3f}" + (f" acc {acc[0]:.2f}" if acc else ""))
+            lines.append(sparkline(list(state.train_loss), width))
+        evaluation = state.stage_metrics.get("eval", {})
+        if "acceptance_length" in evaluation:
+            lines.append(f"acceptance length {evaluation['acceptance_length']:.2f}")
+        self.show_text("\n".join(lines))

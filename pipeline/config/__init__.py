@@ -1,0 +1,41 @@
+"""The run file: tables declared once (``run``), parsed and documented by ``schema``.
+
+``python -m pipeline.config [README.md]`` prints the reference, or rewrites it in the README.
+"""
+
+from ..errors import ConfigError
+from .run import (
+    ALL_STAGES,
+    DatasetConfig,
+    EndpointConfig,
+    EvalConfig,
+    ExtractConfig,
+    PrepareConfig,
+    RetryConfig,
+    RunConfig,
+    SamplingConfig,
+    TargetConfig,
+    TrainConfig,
+    load_run,
+    parse_run,
+)
+from .tokens import format_tokens, parse_tokens
+
+__all__ = [
+    "ALL_STAGES",
+    "ConfigError",
+    "DatasetConfig",
+    "EndpointConfig",
+    "EvalConfig",
+    "ExtractConfig",
+    "PrepareConfig",
+    "RetryConfig",
+    "RunConfig",
+    "SamplingConfig",
+    "TargetConfig",
+    "TrainConfig",
+    "format_tokens",
+    "load_run",
+    "parse_run",
+    "parse_tokens",
+]

@@ -1,0 +1,254 @@
+"""The run file's tables. Each field is declared here once, with its type, default, check and
+doc; ``schema`` parses TOML into these frozen dataclasses and writes the README's reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .schema import Check, Table, at_least, finite_at_least, matches, one_of, parse_table, setting, within
+
+__all__ = [
+    "ALL_STAGES",
+    "DatasetConfig",
+    "EndpointConfig",
+    "EvalConfig",
+    "ExtractConfig",
+    "PrepareConfig",
+    "RetryConfig",
+    "RunConfig",
+    "SamplingConfig",
+    "TargetConfig",
+    "TrainConfig",
+    "load_run",
+    "parse_run",
+]
+
+ALL_STAGES = ("generate", "prepare", "extract", "train", "export", "eval")
+FORMATS = ("auto", "conversations", "messages", "prompt")
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    """An OpenAI-compatible server; several are load-balanced (fewest in flight)."""
+
+    REFUSED_KEYS = {"api_key": "keys never go in run files; set api_key_env to an environment variable's name"}
+
+    base_url: str = setting(doc="`http(s)://host:port/v1`", check=matches(r"^https?://[^/\s]+", "must be an http(s) URL"), clean=lambda s: s.rstrip("/"))
+    model: str = setting(doc="model id the server knows the target by")
+    api_key_env: str | None = setting(
+        None, "NAME of the environment variable holding the key", check=matches(r"^[A-Za-z_][A-Za-z0-9_]*$", "must be the NAME of an environment variable, not the key itself")
+    )
+    max_concurrency: int | None = setting(None, "cap on this endpoint's requests in flight", check=at_least(1))
+
+    @property
+    def label(self) -> str:
+        return self.base_url
+
+    def api_key(self) -> str | None:
+        if not self.api_key_env:
+            return None
+        return os.environ.get(self.api_key_env) or None
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target samples each reply."""
+
+    max_tokens: int = setting(2048, "completion tokens per request at most", check=at_least(1))
+    temperature: float = setting(0.7, "sampling temperature", check=finite_at_least(0))
+    top_p: float = setting(1.0, "nucleus sampling", check=within(0, 1, include_low=False))
+    extra: dict[str, Any] = setting({}, "more request fields, sent as given (e.g. `top_k`)")
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """Retries of transient failures (429, 5xx, timeouts, resets), with full-jitter backoff."""
+
+    max_attempts: int = setting(6, "attempts per record before it goes to failed.jsonl", check=at_least(1))
+    base_delay_s: float = setting(0.5, "first backoff ceiling, doubled per attempt", check=finite_at_least(0))
+    max_delay_s: float = setting(30.0, "backoff ceiling", check=finite_at_least(0))
+    timeout_s: float = setting(600.0, "one request's time limit", check=Check(lambda v: v > 0, "must be positive"))
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """A prompt source and its token budget."""
+
+    name: str = setting(doc="letters, digits, `_`, `.`, `-`", check=matches(_NAME, "use letters, digits, '_', '.', '-' only"))
+    path: Path = setting(doc="JSONL source (relative to the run file)")
+    token_budget: int = setting(doc="completion tokens to generate", tokens=True)
+    format: str = setting("auto", "`conversations`, `messages`, `prompt`, or `auto` per row", check=one_of(*FORMATS))
+    max_samples: int | None = setting(None, "optional sample cap as well", check=at_least(1))
+    id_field: str = setting("id", "the row's own id field; rows without one are keyed by a content hash")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The target model for the ML stages: a local transformers checkpoint (nothing is downloaded)."""
+
+    model: Path = setting(doc="checkpoint directory")
+    tokenizer: Path | None = setting(None, "tokenizer directory, if not the model's")
+    dtype: str = setting("auto", "`auto`: bf16 where the device supports it, else fp32", check=one_of("auto", "bfloat16", "float16", "float32"))
+    device: str = setting("auto", "`auto`: cuda if available, else cpu")
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.tokenizer or self.model
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Merge, dedupe, shuffle, chat template, loss masks, draft vocabulary."""
+
+    max_length: int = setting(2048, "tokens per sample at most (longer ones are cut)", check=at_least(1))
+    seed: int = setting(0, "shuffle seed")
+    draft_vocab_size: int = setting(32000, "draft vocabulary size", check=at_least(1))
+    eval_fraction: float = setting(0.05, "share of prompts held out for eval", check=within(0, 1, include_high=False))
+    eval_max: int = setting(200, "held-out prompts at most", check=at_least(0))
+    extra: tuple[Path, ...] = setting((), 'pre-tokenized JSONL sets: `{"input_ids": [...], "loss_mask": [...]}`')
+    shard_samples: int = setting(4096, "samples per prepared shard", check=at_least(1))
+
+
+def _three_layers(layers: tuple[int, ...] | None) -> bool:
+    return layers is None or (len(layers) == 3 and all(x >= 0 for x in layers))
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    """The target's hidden states EAGLE-3 trains on."""
+
+    aux_layers: tuple[int, ...] | None = setting(
+        None, "three layer indices (low, mid, high); default `[1, N//2-1, N-4]`", check=Check(_three_layers, "must be three layer indices (low, middle, high), e.g. [1, 15, 28]")
+    )
+    batch_tokens: int = setting(8192, "padded tokens per forward batch", check=at_least(1))
+    shard_samples: int = setting(256, "samples per feature shard", check=at_least(1))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The drafter's training, with training-time test."""
+
+    epochs: int = setting(5, "passes over the features", check=at_least(1))
+    lr: float = setting(3e-5, "peak learning rate", check=Check(lambda v: v > 0, "must be positive"))
+    batch_size: int = setting(1, "samples per step (per rank)", check=at_least(1))
+    ttt_length: int = setting(7, "unrolled training-time-test steps", check=at_least(1))
+    step_weight: float = setting(0.8, "step i's loss is weighted step_weight**i", check=finite_at_least(0))
+    warmup_ratio: float = setting(0.015, "share of steps warming up", check=within(0, 1, include_high=False))
+    max_grad_norm: float = setting(0.5, "gradient clipping", check=Check(lambda v: v > 0, "must be positive"))
+    weight_decay: float = setting(0.0, "AdamW weight decay", check=finite_at_least(0))
+    seed: int = setting(0, "initialisation and data order seed")
+    checkpoint_every: int = setting(200, "steps between checkpoints", check=at_least(1))
+    max_steps: int = setting(0, "stop after this many steps (0: no cap)", check=at_least(0))
+    log_every: int = setting(10, "steps between metrics events", check=at_least(1))
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Offline acceptance length by speculative decoding."""
+
+    prompts: int = setting(20, "held-out prompts to decode", check=at_least(1))
+    max_new_tokens: int = setting(64, "tokens per prompt", check=at_least(1))
+    draft_tokens: int = setting(4, "drafts per verify step", check=at_least(1))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where outputs go, how many requests are in flight, what runs."""
+
+    datasets: tuple[DatasetConfig, ...] = setting(doc="prompt sources (`[[datasets]]`)")
+    endpoints: tuple[EndpointConfig, ...] = setting(doc="servers (`[[endpoints]]`)")
+    name: str = setting("run", "shown in the console; names the control socket")
+    output_dir: Path = setting(Path("eagleops-out"), "outputs (relative to the run file)")
+    concurrency: int = setting(64, "records in flight, all datasets together", check=at_least(1))
+    tokenizer: Path | None = setting(None, "counts tokens when a server omits usage")
+    cancel_in_flight_over_budget: bool = setting(False, "lowering a budget cancels in-flight requests too")
+    flush_interval_s: float = setting(0.5, "seconds between durable batches", check=Check(lambda v: v > 0, "must be positive"))
+    status_interval_s: float = setting(5.0, "seconds between `--no-tui` status lines", check=Check(lambda v: v > 0, "must be positive"))
+    stages: tuple[str, ...] | None = setting(
+        None, "stages to run, in pipeline order; default all with `[target]`, else generate", check=Check(lambda v: all(s in ALL_STAGES for s in v), f"stages are {', '.join(ALL_STAGES)}")
+    )
+    sampling: SamplingConfig = setting(SamplingConfig())
+    retry: RetryConfig = setting(RetryConfig())
+    target: TargetConfig | None = setting(None)
+    prepare: PrepareConfig = setting(PrepareConfig())
+    extract: ExtractConfig = setting(ExtractConfig())
+    train: TrainConfig = setting(TrainConfig())
+    eval: EvalConfig = setting(EvalConfig())
+    source: Path = setting(Path("<run>"), internal=True)
+
+    @staticmethod
+    def finish_table(config: RunConfig, table: Table) -> RunConfig:
+        if not config.endpoints:
+            raise table.fail("endpoints", "needs at least one [[endpoints]] entry")
+        if not config.datasets:
+            raise table.fail("datasets", "needs at least one [[datasets]] entry")
+        seen: set[str] = set()
+        for i, ds in enumerate(config.datasets):
+            if ds.name in seen:
+                raise table.child(f"datasets[{i}]", {}).fail("name", f"duplicate dataset name {ds.name!r}")
+            seen.add(ds.name)
+        wanted = config.stages if config.stages is not None else (ALL_STAGES if config.target else ("generate",))
+        if config.target is None and any(s != "generate" for s in wanted):
+            raise table.fail("stages", "the ML stages need a [target] table naming the target model")
+        return dataclasses.replace(config, stages=tuple(s for s in ALL_STAGES if s in wanted))
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return self.stages or ()
+
+    @property
+    def prepared_dir(self) -> Path:
+        return self.output_dir / "prepared"
+
+    @property
+    def features_dir(self) -> Path:
+        return self.output_dir / "features"
+
+    @property
+    def train_dir(self) -> Path:
+        return self.output_dir / "train"
+
+    @property
+    def export_dir(self) -> Path:
+        return self.output_dir / "drafter"
+
+    def dataset(self, name: str) -> DatasetConfig:
+        for ds in self.datasets:
+            if ds.name == name:
+                return ds
+        raise KeyError(name)
+
+    def secrets(self) -> list[str]:
+        """Every API key value this run can send, for redaction."""
+        return [key for ep in self.endpoints if (key := ep.api_key())]
+
+
+def load_run(path: str | os.PathLike[str]) -> RunConfig:
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such run file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a run file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    return parse_run(data, origin=str(path), base_dir=path.resolve().parent)
+
+
+def parse_run(data: dict[str, Any], *, origin: str = "<run>", base_dir: Path | None = None) -> RunConfig:
+    config = parse_table(RunConfig, data, "", (origin, base_dir or Path.cwd()))
+    return dataclasses.replace(config, source=Path(origin))

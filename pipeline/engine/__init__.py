@@ -1,0 +1,8 @@
+"""The async engine: runs the stages, publishes events, takes commands, reads telemetry.
+
+No torch at import time (the compute stages are imported when they run) and no UI.
+"""
+
+from pipeline.engine.engine import STAGES, Engine, EngineError, RunSummary
+
+__all__ = ["STAGES", "Engine", "EngineError", "RunSummary"]

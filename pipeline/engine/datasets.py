@@ -1,0 +1,248 @@
+"""One dataset of the generate stage: reads its source from the resume point, admits requests
+while its token budget has room, records every outcome in its crash-safe store."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from pipeline.config import DatasetConfig, format_tokens
+from pipeline.generate.client import Completion, PermanentFailure, RateMeter
+from pipeline.generate.sources import BadLine, Prompt, SourceReader
+from pipeline.generate.store import DatasetStore, StoreError
+from pipeline.protocol.events import DatasetProgress, DatasetState
+
+if TYPE_CHECKING:
+    from pipeline.engine.engine import Engine
+
+__all__ = ["DatasetRunner"]
+
+FLUSH_RECORDS = 256  # buffered records that trigger a flush before the interval is up
+_READ_BATCH = 256
+
+
+class DatasetRunner:
+    def __init__(self, engine: "Engine", config: DatasetConfig, store: DatasetStore):
+        self.engine, self.config, self.store = engine, config, store
+        self.budget = store.budget_override if store.budget_override is not None else config.token_budget
+        self.state = DatasetState.QUEUED
+        self.reason = ""
+        self.paused = False
+        self.in_flight = 0
+        self.meter = RateMeter(clock=engine.clock)
+        self.task: asyncio.Task | None = None
+        self._requests: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()
+        self._exhausted = False
+
+    # ---- budget arithmetic ------------------------------------------------------------------
+    def _estimate(self) -> float:
+        """Tokens a request in flight is expected to add: the mean so far, once it means something."""
+        done = self.store.accepted
+        if done.samples >= 8:
+            return done.tokens / done.samples
+        return float(self.engine.config.sampling.max_tokens)
+
+    def _room(self) -> bool:
+        done = self.store.accepted
+        if done.tokens + self.in_flight * self._estimate() >= self.budget:
+            return False
+        cap = self.config.max_samples
+        return cap is None or done.samples + self.in_flight < cap
+
+    def at_limit(self) -> bool:
+        done = self.store.accepted
+        cap = self.config.max_samples
+        return done.tokens >= self.budget or (cap is not None and done.samples >= cap)
+
+    def _limit_reason(self) -> str:
+        return "budget reached" if self.store.accepted.tokens >= self.budget else "sample cap reached"
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _wait(self) -> None:
+        self._wake.clear()
+        await self._wake.wait()
+
+    # ---- the run ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        self.store.rewind_to_watermark()
+        self._exhausted = False
+        if self.at_limit():
+            self._finish(DatasetState.DONE, self._limit_reason())
+            return
+        self._set(DatasetState.PAUSED if self.paused else DatasetState.RUNNING)
+        failure: str | None = None
+        try:
+            async with asyncio.TaskGroup() as group:
+                await self._issue(group)
+        except* StoreError as errors:
+            failure = str(errors.exceptions[0])
+        except* OSError as errors:
+            failure = f"{self.config.path}: {errors.exceptions[0]}"
+        finally:
+            await asyncio.shield(self.engine.flush_store(self.store))
+        if failure is not None:
+            self._finish(DatasetState.FAILED, failure)
+            return
+        if self.at_limit():
+            self._finish(DatasetState.DONE, self._limit_reason())
+        elif self._exhausted:
+            self._finish(DatasetState.DONE, "source exhausted")
+        else:
+            self._finish(DatasetState.DONE, "stopped")
+
+    async def _issue(self, group: asyncio.TaskGroup) -> None:
+        offset, lines = self.store.reader_position()
+        reader = SourceReader(self.config.path, self.config.format, self.config.id_field, offset=offset, line=lines)
+        batches = reader.batches(_READ_BATCH)
+        while True:
+            batch = await asyncio.to_thread(next, batches, None)
+            if batch is None:
+                self._exhausted = True
+                return
+            for item in batch:
+                if self.store.skip(item):
+                    pass
+                elif isinstance(item, BadLine):
+                    self._bad_line(item)
+                else:
+                    if not await self._admit():
+                        return
+                    self.store.dispatched(item)
+                    self.in_flight += 1
+                    task = group.create_task(self._request(item), name=f"{self.config.name}:{item.prompt_id}")
+                    self._requests.add(task)
+                    task.add_done_callback(self._requests.discard)
+                self.store.advanced(item.end, item.line)
+
+    async def _admit(self) -> bool:
+        """Wait for a slot; False once this dataset should stop issuing (budget or cap reached)."""
+        slots = self.engine.slots
+        while True:
+            if self.paused:
+                self._set(DatasetState.PAUSED)
+                await self._wait()
+                continue
+            if not self._room():
+                if self.in_flight == 0:
+                    return False
+                await self._wait()
+                continue
+            self._set(DatasetState.RUNNING)
+            await slots.acquire()
+            if self.paused or not self._room():
+                slots.release()
+                continue
+            return True
+
+    def _bad_line(self, item: BadLine) -> None:
+        self.store.dispatched(item)
+        self.store.add_failure(
+            item,
+            {
+                "id": f"line:{item.line}",
+                "kind": "bad_line",
+                "dataset": self.config.name,
+                "source_offset": item.offset,
+                "source_line": item.line,
+                "field": item.field,
+                "reason": item.message,
+            },
+        )
+        self.engine.log("error", item.message, self.config.name)
+
+    async def _request(self, prompt: Prompt) -> None:
+        try:
+            completion = await self.engine.client.complete(prompt.messages)
+        except PermanentFailure as exc:
+            reason = self.engine.redact(exc.reason)
+            self.store.add_failure(
+                prompt,
+                {
+                    "id": prompt.prompt_id,
+                    "kind": "request",
+                    "dataset": self.config.name,
+                    "source_offset": prompt.offset,
+                    "source_line": prompt.line,
+                    "reason": reason,
+                    "attempts": exc.attempts,
+                },
+            )
+            self.engine.log("error", f"{self.config.path.name}:{prompt.line} ({prompt.prompt_id}): {reason}", self.config.name)
+        else:
+            self.store.add_record(prompt, self._record(prompt, completion))
+            self.meter.add(completion.completion_tokens)
+            if self.engine.config.cancel_in_flight_over_budget and self.store.accepted.tokens >= self.budget:
+                self.cancel_requests()
+        finally:
+            self.in_flight -= 1
+            self.engine.slots.release()
+            self.wake()
+            if self.store.buffered() >= FLUSH_RECORDS:
+                self.engine.request_flush()
+
+    def _record(self, prompt: Prompt, completion: Completion) -> dict[str, Any]:
+        return {
+            "id": prompt.prompt_id,
+            "conversations": [*prompt.messages, {"role": "assistant", "content": completion.text}],
+            "dataset": self.config.name,
+            "source_offset": prompt.offset,
+            "source_line": prompt.line,
+            "finish_reason": completion.finish_reason,
+            "truncated": completion.finish_reason == "length",
+            "prompt_tokens": completion.prompt_tokens,
+            "completion_tokens": completion.completion_tokens,
+            "usage_source": completion.usage_source,
+            "endpoint": completion.endpoint,
+            "model": self.engine.model_for(completion.endpoint),
+            "latency_s": round(completion.latency_s, 4),
+            "attempts": completion.attempts,
+            "cost": completion.cost,
+            "finished_at": round(time.time(), 3),
+        }
+
+    def cancel_requests(self) -> None:
+        for task in list(self._requests):
+            task.cancel()
+
+    # ---- state --------------------------------------------------------------------------------
+    def _set(self, state: DatasetState) -> None:
+        if state != self.state:
+            self.state = state
+            self.engine.publish(self.progress())
+
+    def _finish(self, state: DatasetState, reason: str) -> None:
+        self.reason = reason
+        if state == DatasetState.DONE and self.store.accepted.tokens > self.budget:
+            reason += f", overshoot {format_tokens(self.store.accepted.tokens - self.budget)} tokens"
+            self.reason = reason
+        self.state = state
+        self.engine.publish(self.progress())
+        level = "error" if state == DatasetState.FAILED else "info"
+        self.engine.log(level, f"{self.config.name}: {state.value} ({reason})", self.config.name)
+
+    def progress(self) -> DatasetProgress:
+        totals = self.store.accepted
+        req_s, tok_s = self.meter.rates()
+        remaining = self.budget - totals.tokens
+        eta = remaining / tok_s if (tok_s > 0 and remaining > 0 and self.state == DatasetState.RUNNING) else None
+        return DatasetProgress(
+            name=self.config.name,
+            state=self.state,
+            tokens=totals.tokens,
+            budget=self.budget,
+            samples=totals.samples,
+            in_flight=self.in_flight,
+            failures=totals.failures,
+            bad_lines=totals.bad_lines,
+            truncated=totals.truncated,
+            max_samples=self.config.max_samples,
+            req_per_s=round(req_s, 3),
+            tok_per_s=round(tok_s, 1),
+            eta_s=round(eta, 1) if eta is not None else None,
+            cost=round(totals.cost, 6),
+            reason=self.reason,
+        )

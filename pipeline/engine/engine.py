@@ -1,0 +1,335 @@
+"""The async engine: the generate stage over every dataset, with events out and commands in.
+
+Structure: one runner task per dataset (a TaskGroup of request tasks inside it), one shared
+slot semaphore that caps records in flight, one flusher that makes finished records durable in
+batches, one ticker that publishes progress snapshots. Commands only flip state and wake the
+runners; kill cancels tasks, which closes their HTTP connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+import aiohttp
+
+from pipeline.config import ALL_STAGES, RunConfig, format_tokens
+from pipeline.engine.bus import EventBus, Subscription
+from pipeline.engine.commands import EngineCommands
+from pipeline.engine.datasets import DatasetRunner
+from pipeline.engine.redact import Redactor
+from pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, read_host, scrape_metrics, server_metrics
+from pipeline.errors import RunError
+from pipeline.protocol.control import ControlError, ControlServer, socket_path_for
+from pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
+from pipeline.generate.store import DatasetStore, StoreError
+from pipeline.protocol.events import DatasetProgress, DatasetState, EndpointStats, Event, LogEvent, StageState, StageStatus
+from pipeline.training.context import StageContext, StageKilled
+
+__all__ = ["STAGES", "Engine", "EngineError", "RunSummary"]
+
+STAGES = ALL_STAGES
+SNAPSHOT_LOG_LINES = 50
+
+
+class EngineError(RunError):
+    """The engine cannot start: the output directory is locked or its store does not match."""
+
+
+@dataclass
+class RunSummary:
+    datasets: list[DatasetProgress]
+    killed: bool
+    stages: dict[str, StageStatus] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.killed
+            and all(d.state == DatasetState.DONE for d in self.datasets)
+            and all(s in (StageStatus.DONE, StageStatus.PENDING) for s in self.stages.values())
+        )
+
+
+class Engine(EngineCommands):
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        progress_interval_s: float = 1.0,
+        telemetry_interval_s: float = 2.0,
+        gpu_reader: GpuReader | None = None,
+        stages: tuple[str, ...] | None = None,
+    ):
+        self.config = config
+        self.clock = clock
+        self.progress_interval_s = progress_interval_s
+        self.telemetry_interval_s = telemetry_interval_s
+        self.gpu_reader = gpu_reader or gpu_reader_from_env()
+        self._telemetry: dict[str, Event] = {}
+        self.redact = Redactor(config.secrets())
+        self.bus = EventBus(self.snapshot)
+        self.runners: dict[str, DatasetRunner] = {}
+        self.stages = tuple(stages) if stages is not None else config.stage_names
+        self.stage_states: dict[str, StageState] = {name: StageState(name, StageStatus.PENDING) for name in STAGES}
+        self.stage_results: dict[str, object] = {}
+        self._stage_ctx: StageContext | None = None
+        self.slots = asyncio.Semaphore(config.concurrency)
+        self.pool = EndpointPool(config.endpoints)
+        self.client: ChatClient  # set in run()
+        self._flush_now = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._killed = False
+        self._lock_file: IO[str] | None = None
+        self._models = {ep.label: ep.model for ep in config.endpoints}
+
+    # ---- events -------------------------------------------------------------------------------
+    def subscribe(self) -> Subscription:
+        return self.bus.subscribe()
+
+    def publish(self, event: Event) -> None:
+        self.bus.publish(event)
+
+    def log(self, level: str, message: str, dataset: str | None = None) -> None:
+        self.publish(LogEvent(level, self.redact(message), dataset))
+
+    def snapshot(self) -> list[Event]:
+        events: list[Event] = list(self.stage_states.values())
+        events += [runner.progress() for runner in self.runners.values()]
+        events += self.endpoint_stats()
+        events += self._telemetry.values()
+        events += self.bus.log_tail[-SNAPSHOT_LOG_LINES:]
+        return events
+
+    async def serve_socket(self) -> ControlServer | None:
+        """Serve this engine's commands on its run's socket; a run goes on without one if it can't."""
+        server = ControlServer(self, socket_path_for(self.config.name, self.config.output_dir))
+        try:
+            await server.start()
+        except (ControlError, OSError) as exc:
+            self.log("warning", f"control socket unavailable: {exc}")
+            return None
+        self.log("info", f"control socket: {server.path} (eagleops attach / status)")
+        return server
+
+    def endpoint_stats(self) -> list[EndpointStats]:
+        stats = []
+        for ep in self.pool.endpoints:
+            lat = sorted(ep.latencies)
+            req_s, tok_s = ep.meter.rates()
+            stats.append(
+                EndpointStats(
+                    url=ep.config.label,
+                    in_flight=ep.in_flight,
+                    requests=ep.requests,
+                    errors=ep.errors,
+                    req_per_s=round(req_s, 3),
+                    tok_per_s=round(tok_s, 1),
+                    latency_p50_s=round(lat[len(lat) // 2], 4) if lat else None,
+                    latency_p95_s=round(lat[min(len(lat) - 1, int(len(lat) * 0.95))], 4) if lat else None,
+                )
+            )
+        return stats
+
+    def model_for(self, label: str) -> str:
+        return self._models.get(label, "")
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def _start(self, runner: DatasetRunner) -> None:
+        runner.task = asyncio.create_task(self._run_runner(runner), name=f"dataset:{runner.config.name}")
+
+    async def _run_runner(self, runner: DatasetRunner) -> None:
+        try:
+            await runner.run()
+        except asyncio.CancelledError:
+            runner._finish(DatasetState.KILLED, "killed; resumable")
+            # Swallow: a killed dataset is a state, not an error of the engine.
+        except Exception as exc:  # noqa: BLE001 - a broken dataset must not take the others down
+            runner._finish(DatasetState.FAILED, self.redact(f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._changed.set()
+
+    def request_flush(self) -> None:
+        self._flush_now.set()
+
+    async def flush_store(self, store: DatasetStore, *, force_manifest: bool = False) -> None:
+        try:
+            await store.flush(force_manifest=force_manifest)
+        except OSError as exc:
+            self.log("error", f"{store.directory}: write failed: {exc}", store.name)
+            raise
+
+    async def _flusher(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._flush_now.wait(), self.config.flush_interval_s)
+            self._flush_now.clear()
+            for runner in self.runners.values():
+                if runner.store.buffered():
+                    await self.flush_store(runner.store)
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.progress_interval_s)
+            for runner in self.runners.values():
+                self.publish(runner.progress())
+            for stats in self.endpoint_stats():
+                self.publish(stats)
+
+    async def _telemetry_loop(self, session: aiohttp.ClientSession) -> None:
+        """GPUs and host every tick; servers' /metrics every few ticks. Never on the event loop's
+        critical path: NVML and psutil run in a thread, scrapes are plain async requests."""
+        previous: dict[str, object] = {}
+        tick = 0
+        while True:
+            try:
+                gpu = await asyncio.to_thread(self.gpu_reader.read)
+                host = await asyncio.to_thread(read_host)
+            except Exception as exc:  # noqa: BLE001 - telemetry must never stop a run
+                self.log("warning", f"telemetry: {type(exc).__name__}: {exc}")
+            else:
+                for event in (gpu, host):
+                    self._telemetry[event.kind] = event
+                    self.publish(event)
+            if tick % 3 == 0:
+                for ep in self.config.endpoints:
+                    values = await scrape_metrics(session, ep.base_url)
+                    if values is None:
+                        continue
+                    metrics, previous[ep.label] = server_metrics(ep.label, values, previous.get(ep.label), time.monotonic())
+                    self._telemetry[f"server:{ep.label}"] = metrics
+                    self.publish(metrics)
+            tick += 1
+            await asyncio.sleep(self.telemetry_interval_s)
+
+    def _lock_output(self) -> None:
+        self.config.output_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(self.config.output_dir / ".lock", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise EngineError(f"{self.config.output_dir}: another eagleops run is using this output directory") from None
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        self._lock_file = lock
+
+    async def open(self) -> None:
+        """Lock the output directory and recover every dataset's store (O(1) per dataset)."""
+        self._lock_output()
+        if "generate" not in self.stages:
+            return
+        for ds in self.config.datasets:
+            store = DatasetStore(self.config.output_dir / ds.name, ds.name, ds.path)
+            try:
+                await asyncio.to_thread(store.open)
+            except StoreError as exc:
+                raise EngineError(str(exc)) from None
+            runner = DatasetRunner(self, ds, store)
+            self.runners[ds.name] = runner
+            if store.recovered_records or store.repaired_bytes:
+                self.log(
+                    "warning",
+                    f"{ds.name}: recovered {store.recovered_records} records written after the last manifest"
+                    + (f", truncated a torn {store.repaired_bytes}-byte tail" if store.repaired_bytes else ""),
+                    ds.name,
+                )
+            if store.budget_override is not None and store.budget_override != ds.token_budget:
+                self.log("info", f"{ds.name}: budget {format_tokens(store.budget_override)} (set live; run file says {format_tokens(ds.token_budget)})", ds.name)
+
+    async def run(self) -> RunSummary:
+        if self._lock_file is None:
+            await self.open()
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+            telemetry = asyncio.create_task(self._telemetry_loop(session), name="telemetry")
+            try:
+                if "generate" in self.stages:
+                    await self._generate(session)
+                for name in self.stages:
+                    if name == "generate":
+                        continue
+                    if self._killed or self._stage_failed():
+                        break
+                    await self._compute_stage(name)
+            finally:
+                telemetry.cancel()
+                await asyncio.gather(telemetry, return_exceptions=True)
+        for event in self.endpoint_stats():
+            self.publish(event)
+        self.bus.close()
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file: IO[str] | None = None
+        return RunSummary([r.progress() for r in self.runners.values()], self._killed, {k: v.status for k, v in self.stage_states.items()})
+
+    def _stage_failed(self) -> bool:
+        return any(state.status == StageStatus.FAILED for state in self.stage_states.values())
+
+    def _set_stage(self, name: str, status: StageStatus, detail: str = "") -> None:
+        self.stage_states[name] = StageState(name, status, detail)
+        self.publish(self.stage_states[name])
+
+    async def _generate(self, session: aiohttp.ClientSession) -> None:
+        self.client = ChatClient(session, self.pool, self.config.sampling, self.config.retry, TokenCounter(self.config.tokenizer))
+        self.client.on_retry = lambda reason, delay: self.log("warning", f"retry in {delay:.1f}s: {reason}")
+        self._set_stage("generate", StageStatus.RUNNING)
+        helpers = [asyncio.create_task(self._flusher(), name="flusher"), asyncio.create_task(self._ticker(), name="ticker")]
+        try:
+            for runner in self.runners.values():
+                self._start(runner)
+            while True:
+                live = [r.task for r in self.runners.values() if r.task is not None and not r.task.done()]
+                if not live:
+                    break
+                self._changed.clear()
+                await self._changed.wait()
+        finally:
+            if any(r.task is not None and not r.task.done() for r in self.runners.values()):
+                self.kill()
+            for runner in self.runners.values():
+                if runner.task is not None:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await runner.task
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            for runner in self.runners.values():
+                await asyncio.shield(self.flush_store(runner.store, force_manifest=True))
+        for event in [*(r.progress() for r in self.runners.values()), *self.endpoint_stats()]:
+            self.publish(event)  # the final numbers, with nothing left in flight
+        states = [r.state for r in self.runners.values()]
+        if self._killed:
+            self._set_stage("generate", StageStatus.KILLED)
+        elif DatasetState.FAILED in states:
+            self._set_stage("generate", StageStatus.FAILED, "a dataset failed")
+        else:
+            self._set_stage("generate", StageStatus.DONE)
+
+    async def _compute_stage(self, name: str) -> None:
+        """A torch stage in a worker thread; its events cross back to the loop thread-safely."""
+        from pipeline.training.stages import stage_functions
+
+        loop = asyncio.get_running_loop()
+        ctx = StageContext(name, lambda event: loop.call_soon_threadsafe(self.publish, event))
+        self._stage_ctx = ctx
+        self._set_stage(name, StageStatus.RUNNING)
+        try:
+            result = await asyncio.to_thread(stage_functions()[name], self.config, ctx)
+        except StageKilled:
+            self._set_stage(name, StageStatus.KILLED, "killed; resumable")
+        except Exception as exc:  # noqa: BLE001 - a failed stage is reported, the run stops cleanly
+            self.log("error", self.redact(f"{name}: {type(exc).__name__}: {exc}"))
+            self._set_stage(name, StageStatus.FAILED, self.redact(str(exc))[:200])
+        else:
+            self.stage_results[name] = result
+            self._set_stage(name, StageStatus.DONE)
+        finally:
+            self._stage_ctx = None
