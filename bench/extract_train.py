@@ -27,8 +27,10 @@ import torch  # noqa: E402
 
 from pipeline.config import parse_run  # noqa: E402
 from pipeline.demo.demo import TINY_PRETRAIN_STEPS  # noqa: E402
-from pipeline.training.extract import length_batches, load_target, pad_batch  # noqa: E402
-from pipeline.training.prepare import load_prepared, prepare  # noqa: E402
+from pipeline.training.extract import length_batches, pad_batch  # noqa: E402
+from pipeline.training.target import load_target  # noqa: E402
+from pipeline.training.artifacts import load_prepared  # noqa: E402
+from pipeline.training.prepare import prepare  # noqa: E402
 from pipeline.training.context import StageContext  # noqa: E402
 from pipeline.demo.tinymodel import build_tiny_model, sample_text  # noqa: E402
 
@@ -66,7 +68,7 @@ def main() -> None:
         )
         prepare(config, StageContext("prepare"))
         index, samples = load_prepared(config.prepared_dir)
-        tokens = index["tokens"]
+        tokens = index.tokens
 
         from pipeline.training.stages import stage_functions
 
@@ -105,7 +107,8 @@ def main() -> None:
         save_file({"hidden": torch.cat(everything), "input_ids": torch.cat([ids for ids, _ in first]).int(), "loss_mask": torch.cat([m for _, m in first]).to(torch.uint8)}, str(all_path))
         first_tokens = sum(len(ids) for ids, _ in first)
         all_bpt = all_path.stat().st_size / first_tokens
-        ours_bpt = features_index["shards"]["shard-00000.safetensors"]["bytes"] / features_index["shards"]["shard-00000.safetensors"]["tokens"]
+        first_shard = features_index.shards["shard-00000.safetensors"]
+        ours_bpt = first_shard.bytes / first_shard.tokens
 
         summary = stage_functions()["train"](config, StageContext("train"))
         mean_len = tokens / len(samples)
@@ -116,10 +119,10 @@ def main() -> None:
     print("| measure | eagleops | baseline | ratio |")
     print("|---|---|---|---|")
     print(f"| extract tokens/s (whole stage incl. writes) vs bare forward | {tokens / extract_s:,.0f} | {tokens / bare_s:,.0f} (bare `model.model` forward, same batches) | **{extract_s / bare_s:.2f}x** the time |")
-    m = features_index["metrics"]
+    m = features_index.metrics or {}
     print(f"| extract, forward + copies only (excl. model load and writes) | {m['forward_tokens_per_s']:,.0f} | {tokens / bare_s:,.0f} | **{tokens / m['forward_tokens_per_s'] / bare_s:.2f}x** the time |")
     print(f"| bytes on disk per token | {ours_bpt:,.0f} B (3 aux + final, bf16) | {all_bpt:,.0f} B (all {layers + 1} hidden states, bf16) | **{ours_bpt / all_bpt:.2f}x** |")
-    print(f"| train (TTT 7, batch 4) | {summary['steps_per_s']:.1f} steps/s, {summary['steps_per_s'] * 4 * mean_len:,.0f} tokens/s | - | - |")
+    print(f"| train (TTT 7, batch 4) | {summary.steps_per_s:.1f} steps/s, {summary.steps_per_s * 4 * mean_len:,.0f} tokens/s | - | - |")
     print(f"\nAt H=4096 the same layout is (4 x 4096 x 2 + 5) = {4 * 4096 * 2 + 5:,} B/token; a 32-layer target's all-layer dump would be {33 * 4096 * 2 + 5:,} B/token.")
 
 

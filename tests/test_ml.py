@@ -19,7 +19,8 @@ from pipeline.demo.demo import write_demo_datasets
 from pipeline.servers.launch import start_server
 from pipeline.engine import Engine
 from pipeline.protocol.events import StageStatus
-from pipeline.training.prepare import build_draft_vocab, tokenize_conversation
+from pipeline.training.prepare import tokenize_conversation
+from pipeline.training.vocab import build_draft_vocab
 from pipeline.training.context import StageContext, StageKilled
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,13 +121,13 @@ def test_prepare_dedupes_holds_out_and_writes_shards(workdir, tiny_model):
     index = _stage(config, "prepare")
     b1 = len((workdir / "out" / "B1" / "data.jsonl").read_text().splitlines())
     b2 = len((workdir / "out" / "B2" / "data.jsonl").read_text().splitlines())
-    assert index["duplicates_dropped"] == 1
-    assert index["samples"] + index["held_out"] == b1 + b2 - 1
-    assert index["draft_vocab_size"] == 256
+    assert index.duplicates_dropped == 1
+    assert index.samples + index.held_out == b1 + b2 - 1
+    assert index.draft_vocab_size == 256
     held_out = [json.loads(line) for line in (config.prepared_dir / "eval.jsonl").read_text().splitlines()]
-    assert len(held_out) == index["held_out"] and all(m["messages"][-1]["role"] == "user" for m in held_out)
+    assert len(held_out) == index.held_out and all(m["messages"][-1]["role"] == "user" for m in held_out)
     again = _stage(config, "prepare")  # unchanged inputs: skipped
-    assert again["fingerprint"] == index["fingerprint"]
+    assert again.fingerprint == index.fingerprint
 
 
 def test_prepare_takes_pre_tokenized_extra_sets(workdir, tiny_model):
@@ -134,7 +135,7 @@ def test_prepare_takes_pre_tokenized_extra_sets(workdir, tiny_model):
     extra.write_text("".join(json.dumps({"input_ids": [0, 5, 6, 7, 1], "loss_mask": [0, 0, 1, 1, 1]}) + "\n" for _ in range(7)))
     plain = _stage(_config(workdir, tiny_model), "prepare")
     with_extra = _stage(_config(workdir, tiny_model, prepare={"extra": [str(extra)]}), "prepare")
-    assert with_extra["samples"] == plain["samples"] + 7
+    assert with_extra.samples == plain.samples + 7
     extra.write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
     from pipeline.training.prepare import PrepareError
 
@@ -159,7 +160,7 @@ def test_extracted_states_equal_a_direct_forward(workdir, tiny_model):
     config = _config(workdir, tiny_model)
     _stage(config, "prepare")
     index = _stage(config, "extract")
-    assert index["aux_layers"] == [1, 3, 4]  # [1, N//2-1, N-4] for the 8-layer target
+    assert index.aux_layers == [1, 3, 4]  # [1, N//2-1, N-4] for the 8-layer target
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model)).eval()
     shard = load_file(str(config.features_dir / "shard-00001.safetensors"))
     offsets = shard["offsets"].tolist()
@@ -173,7 +174,7 @@ def test_extracted_states_equal_a_direct_forward(workdir, tiny_model):
         torch.testing.assert_close(shard["aux"][a:b].float(), expected_aux.bfloat16().float(), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(shard["final"][a:b].float(), expected_final.bfloat16().float(), rtol=2e-2, atol=2e-2)
         assert shard["aux"].dtype == torch.bfloat16
-    metrics = index["metrics"]
+    metrics = index.metrics
     assert metrics["bytes_per_token"] < metrics["all_layers_bytes_per_token"]
 
 
@@ -227,7 +228,7 @@ def test_train_resumes_from_a_checkpoint_on_the_same_loss_curve(workdir, tiny_mo
     with pytest.raises(StageKilled):
         _stage(base, "train", _KillAfter("train", 16))  # dies during step 16: checkpoint has 15
     resumed = _stage(base, "train")
-    assert resumed["steps"] == 30
+    assert resumed.steps == 30
     curve = [json.loads(line)["loss"] for line in (base.train_dir / "history.jsonl").read_text().splitlines()]
     expected = [json.loads(line)["loss"] for line in (straight.train_dir / "history.jsonl").read_text().splitlines()]
     assert len(curve) == len(expected) == 30
@@ -279,7 +280,7 @@ def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
     assert not any("embed" in k for k in keys)
 
     # a real learning signal, and greedy verification keeps the target's own output
-    assert trained["greedy_mismatches"] == 0 and untrained["greedy_mismatches"] == 0
-    assert untrained["acceptance_length"] < 1.3
-    assert trained["acceptance_length"] > untrained["acceptance_length"] + 0.5, (trained, untrained)
-    assert trained["acceptance_rate_per_position"][0] > 0.4
+    assert trained.greedy_mismatches == 0 and untrained.greedy_mismatches == 0
+    assert untrained.acceptance_length < 1.3
+    assert trained.acceptance_length > untrained.acceptance_length + 0.5, (trained, untrained)
+    assert trained.acceptance_rate_per_position[0] > 0.4

@@ -162,18 +162,20 @@ class TokenCounter:
 
     def _load(self) -> Any:
         if self._tokenizer is None:
-            path = self.path
-            assert path is not None
-            if path.is_file():
+            if self.path is None:
+                raise RuntimeError("TokenCounter without a tokenizer path")  # callers check .available
+            # tokenizer.json through `tokenizers` alone: no transformers, so no torch in generate
+            file = self.path if self.path.is_file() else self.path / "tokenizer.json"
+            if file.is_file():
                 from tokenizers import Tokenizer
 
-                tok = Tokenizer.from_file(str(path))
+                tok = Tokenizer.from_file(str(file))
                 self._tokenizer = lambda text: len(tok.encode(text, add_special_tokens=False).ids)
-            else:
+            else:  # a tokenizer with no tokenizer.json (sentencepiece or tiktoken files)
                 from transformers import AutoTokenizer
 
-                tok = AutoTokenizer.from_pretrained(str(path))
-                self._tokenizer = lambda text: len(tok.encode(text, add_special_tokens=False))
+                slow = AutoTokenizer.from_pretrained(str(self.path))
+                self._tokenizer = lambda text: len(slow.encode(text, add_special_tokens=False))
         return self._tokenizer
 
     def count(self, text: str) -> int:

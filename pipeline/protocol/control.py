@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from pipeline.errors import RunError
 from pipeline.protocol.events import Ack, Command, Event, command_from_json, event_from_json
 
-__all__ = ["ControlClient", "ControlServer", "ControlError", "find_sockets", "runtime_dir", "Controllable", "socket_path_for"]
+__all__ = ["ControlClient", "ControlError", "ControlServer", "Controllable", "find_sockets", "runtime_dir", "socket_path_for"]
 
 _LIMIT = 1 << 20
 
@@ -117,8 +117,8 @@ class ControlServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        assert task is not None
-        self._streams.add(task)
+        if task is not None:  # always, inside a server callback; the check is for the type
+            self._streams.add(task)
         try:
             while line := await reader.readline():
                 try:
@@ -145,7 +145,8 @@ class ControlServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
-            self._streams.discard(task)
+            if task is not None:
+                self._streams.discard(task)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -186,9 +187,8 @@ class ControlClient:
 
     async def request(self, payload: dict[str, Any]) -> dict[str, Any]:
         async with self._lock:
-            if self._writer is None:
+            if self._writer is None or self._reader is None:
                 self._reader, self._writer = await self._connect()
-            assert self._reader is not None
             self._writer.write(_encode(payload))
             await self._writer.drain()
             line = await self._reader.readline()

@@ -15,14 +15,24 @@ position's keys of steps 1..i: the attention pattern of drafting i tokens ahead 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DraftCache", "Eagle3Drafter", "drafter_config_from_target", "eagle3_aux_layers"]
+from pipeline.config import RunConfig
+from pipeline.errors import InputError
+from pipeline.training.target import head_and_embeddings, require_target
+
+__all__ = ["EXPORTED_PREFIXES", "DraftCache", "Eagle3Drafter", "build_drafter", "drafter_config_from_target", "eagle3_aux_layers", "load_exported"]
+
+# what a server loads from an export: the target supplies the embeddings
+EXPORTED_PREFIXES = ("midlayer.", "fc.", "norm.", "lm_head.", "d2t", "t2d")
 
 
 def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -36,7 +46,7 @@ def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return layers  # type: ignore[return-value]
 
 
-def drafter_config_from_target(target_config, *, draft_vocab_size: int, aux_layers: tuple[int, int, int]):
+def drafter_config_from_target(target_config: Any, *, draft_vocab_size: int, aux_layers: tuple[int, ...]) -> Any:
     """A LlamaConfig for the drafter: the target's attention geometry, one layer, the draft vocab.
 
     Saved as the export's config.json; SGLang/vLLM read ``eagle_config`` for the capture layers,
@@ -254,3 +264,42 @@ class Eagle3Drafter(nn.Module):
             token = torch.tensor([[target_id]], device=aux.device)
             hidden, logits = self.step(hidden, token, last, i + 1, cache)
         return drafts
+
+
+def build_drafter(config: RunConfig, aux_layers: tuple[int, ...], *, seed: int) -> Eagle3Drafter:
+    """A fresh drafter for the target: its geometry, the prepared draft vocabulary, its frozen
+    embeddings."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    target = require_target(config)
+    target_config = AutoConfig.from_pretrained(str(target.model))
+    vocab = load_file(str(config.prepared_dir / "draft_vocab.safetensors"))
+    drafter_config = drafter_config_from_target(target_config, draft_vocab_size=len(vocab["d2t"]), aux_layers=aux_layers)
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(drafter_config)
+    _, embed = head_and_embeddings(target.model)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(embed.float())
+    drafter.set_vocab(vocab["d2t"], vocab["t2d"])
+    return drafter
+
+
+def load_exported(directory: Path, embeddings: torch.Tensor) -> Eagle3Drafter:
+    """Rebuild a drafter from an export (as a server would), embeddings from the target."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    config = LlamaConfig.from_dict(json.loads((directory / "config.json").read_text()))
+    drafter = Eagle3Drafter(config)
+    weights = load_file(str(directory / "model.safetensors"))
+    unexpected = [k for k in weights if not k.startswith(EXPORTED_PREFIXES)]
+    if unexpected:
+        raise InputError(f"{directory}: unexpected tensors {unexpected[:5]}")
+    state: dict[str, Any] = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+    missing = [k for k in drafter.load_state_dict(state, strict=False).missing_keys if not k.startswith(("embed_tokens.", "rotary."))]
+    if missing:
+        raise InputError(f"{directory}: missing tensors {missing[:5]}")
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(embeddings.float())
+    return drafter.eval()

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from pipeline.config import RunConfig
-from pipeline.training.drafter import Eagle3Drafter
-from pipeline.training.export import load_exported
-from pipeline.training.extract import load_target
+from pipeline.errors import InputError
+from pipeline.training.artifacts import EvalResult, FeaturesIndex
 from pipeline.training.context import StageContext
-from pipeline.training.train import build_drafter, target_head_and_embeddings
+from pipeline.training.drafter import Eagle3Drafter, build_drafter, load_exported
+from pipeline.training.target import head_and_embeddings, load_target, require_target
 
 __all__ = ["evaluate", "speculative_generate"]
 
@@ -69,24 +69,41 @@ def _greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None, devi
     return tokens
 
 
-def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False) -> dict[str, Any]:
+def _held_out_prompts(config: RunConfig) -> list[dict[str, Any]]:
+    path = config.prepared_dir / "eval.jsonl"
+    prompts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][: config.eval.prompts]
+    if not prompts:
+        raise InputError(f"{path}: no held-out prompts (prepare.eval_fraction is 0?)")
+    return prompts
+
+
+def _result(drafter: str, prompts: int, steps: list[int], k: int, mismatches: int) -> EvalResult:
+    reached = [sum(1 for a in steps if a >= j) for j in range(k + 1)]
+    return EvalResult(
+        drafter=drafter,
+        prompts=prompts,
+        verify_steps=len(steps),
+        draft_tokens=k,
+        acceptance_length=round(sum(a + 1 for a in steps) / len(steps), 4) if steps else 0.0,
+        acceptance_rate_per_position=[round(reached[j + 1] / reached[j], 4) if reached[j] else 0.0 for j in range(k)],
+        greedy_mismatches=mismatches,
+    )
+
+
+def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False) -> EvalResult:
     from transformers import AutoTokenizer
 
-    assert config.target is not None
-    model, device, _ = load_target(config.target)
-    tokenizer = AutoTokenizer.from_pretrained(str(config.target.tokenizer_path))
-    features_index = json.loads((config.features_dir / "index.json").read_text())
-    aux_layers = tuple(features_index["aux_layers"])
+    target = require_target(config)
+    model, device, _ = load_target(target)
+    tokenizer = AutoTokenizer.from_pretrained(str(target.tokenizer_path))
+    aux_layers = tuple(FeaturesIndex.read(config.features_dir).aux_layers)
     if untrained:
         drafter = build_drafter(config, aux_layers, seed=config.train.seed + 1)
     else:
-        _, embeddings = target_head_and_embeddings(config.target.model)
+        _, embeddings = head_and_embeddings(target.model)
         drafter = load_exported(config.export_dir, embeddings)
     drafter = drafter.to(device).eval()
-    prompts = [json.loads(line) for line in (config.prepared_dir / "eval.jsonl").read_text().splitlines() if line.strip()]
-    prompts = prompts[: config.eval.prompts]
-    if not prompts:
-        raise ValueError(f"{config.prepared_dir / 'eval.jsonl'}: no held-out prompts (prepare.eval_fraction is 0?)")
+    prompts = _held_out_prompts(config)
     eos = tokenizer.eos_token_id
     k = config.eval.draft_tokens
     steps: list[int] = []
@@ -100,19 +117,10 @@ def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False) -
             mismatches += 1
         steps += accepted
         ctx.progress(i + 1, len(prompts), "prompts")
-    reached = [sum(1 for a in steps if a >= j) for j in range(k + 1)]
-    per_position = [round(reached[j + 1] / reached[j], 4) if reached[j] else 0.0 for j in range(k)]
-    result = {
-        "drafter": "untrained" if untrained else str(config.export_dir),
-        "prompts": len(prompts),
-        "verify_steps": len(steps),
-        "draft_tokens": k,
-        "acceptance_length": round(sum(a + 1 for a in steps) / len(steps), 4) if steps else 0.0,
-        "acceptance_rate_per_position": per_position,
-        "greedy_mismatches": mismatches,
-    }
+    result = _result("untrained" if untrained else str(config.export_dir), len(prompts), steps, k, mismatches)
     if not untrained:
-        (config.output_dir / "eval.json").write_text(json.dumps(result, indent=1))
-    ctx.metrics(**result)
-    ctx.log("info", f"eval: acceptance length {result['acceptance_length']:.2f} over {len(steps)} verify steps ({k} draft tokens); per position {per_position}")
+        (config.output_dir / "eval.json").write_text(json.dumps(result.to_json(), indent=1))
+    ctx.metrics(**result.to_json())
+    per_position = result.acceptance_rate_per_position
+    ctx.log("info", f"eval: acceptance length {result.acceptance_length:.2f} over {len(steps)} verify steps ({k} draft tokens); per position {per_position}")
     return result

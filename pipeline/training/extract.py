@@ -14,46 +14,21 @@ tokens a batch) and written back in order.
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig, TargetConfig
-from pipeline.training.drafter import eagle3_aux_layers
-from pipeline.training.prepare import load_prepared
+from pipeline.config import RunConfig
+from pipeline.errors import ConfigError
+from pipeline.training.artifacts import FeatureShard, FeaturesIndex, PreparedIndex, load_prepared
 from pipeline.training.context import StageContext
-from pipeline.files import write_json_atomic
+from pipeline.training.drafter import eagle3_aux_layers
+from pipeline.training.features import shard_name
+from pipeline.training.target import load_target, require_target
 
-__all__ = ["FeatureShards", "extract", "forward_features", "length_batches", "load_target", "pad_batch", "pick_device"]
-
-
-def pick_device(target: TargetConfig):
-    import torch
-
-    if target.device != "auto":
-        device = torch.device(target.device)
-    else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if target.dtype == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    else:
-        dtype = getattr(torch, target.dtype)
-    return device, dtype
-
-
-def load_target(target: TargetConfig):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    device, dtype = pick_device(target)
-    model = AutoModelForCausalLM.from_pretrained(str(target.model), dtype=dtype)
-    model.to(device).eval()
-    model.requires_grad_(False)
-    return model, device, dtype
+__all__ = ["extract", "forward_features", "length_batches", "pad_batch"]
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -100,11 +75,19 @@ def forward_features(model, input_ids_list, aux_layers, device, dtype=None):
     return aux, final
 
 
-def _shard_name(i: int) -> str:
-    return f"shard-{i:05d}.safetensors"
+@dataclass
+class _Rates:
+    """Tokens computed in this run and the seconds spent in the forward pass itself."""
+
+    started: float
+    fresh_tokens: int = 0
+    compute_s: float = 0.0
 
 
-def _write_shard(out: Path, name: str, chunk, offsets, aux, final, first: int, aux_layers, index: dict, index_path: Path) -> None:
+def _write_shard(out: Path, name: str, chunk: list[Any], offsets: list[int], aux: Any, final: Any, first: int, index: FeaturesIndex) -> None:
+    import json
+    import os
+
     import torch
     from safetensors.torch import save_file
 
@@ -118,134 +101,101 @@ def _write_shard(out: Path, name: str, chunk, offsets, aux, final, first: int, a
     tmp = out / (name + ".tmp")
     # one metadata key: safetensors writes its metadata map in hash order, and a shard must come
     # out byte-identical when a killed extract redoes it
-    save_file(tensors, str(tmp), metadata={"eagleops": json.dumps({"first_sample": first, "aux_layers": list(aux_layers)}, sort_keys=True)})
+    save_file(tensors, str(tmp), metadata={"eagleops": json.dumps({"first_sample": first, "aux_layers": list(index.aux_layers)}, sort_keys=True)})
     os.replace(tmp, out / name)
-    index["shards"][name] = {"first_sample": first, "samples": len(chunk), "tokens": offsets[-1], "bytes": (out / name).stat().st_size}
-    write_json_atomic(index_path, index)
+    index.shards[name] = FeatureShard(first, len(chunk), offsets[-1], (out / name).stat().st_size)
+    index.write(out)
 
 
-def extract(config: RunConfig, ctx: StageContext) -> dict[str, Any]:
-    import torch
-
-    assert config.target is not None
-    prepared_index, samples = load_prepared(config.prepared_dir)
-    out = config.features_dir
-    out.mkdir(parents=True, exist_ok=True)
-    index_path = out / "index.json"
-    index: dict[str, Any] = json.loads(index_path.read_text()) if index_path.exists() else {}
-    if index.get("prepared") != prepared_index["fingerprint"]:
-        index = {}
-    model, device, dtype = load_target(config.target)
+def _open_index(config: RunConfig, prepared: PreparedIndex, model: Any) -> FeaturesIndex:
+    """The index to resume from; a fresh one when the prepared data or the layers changed."""
     layers = model.config.num_hidden_layers
     aux_layers = tuple(config.extract.aux_layers) if config.extract.aux_layers else eagle3_aux_layers(layers)
     if max(aux_layers) >= layers:
-        raise ValueError(f"extract.aux_layers {list(aux_layers)}: the target has only {layers} layers")
-    if index and tuple(index.get("aux_layers", ())) != aux_layers:
-        index = {}
-    if not index:
-        index = {"prepared": prepared_index["fingerprint"], "aux_layers": list(aux_layers), "hidden_size": model.config.hidden_size,
-                 "num_layers": layers, "target": str(config.target.model), "shards": {}}  # fmt: skip
+        raise ConfigError(f"{config.source}: extract.aux_layers {list(aux_layers)}: the target has only {layers} layers")
+    index = FeaturesIndex.read_if_present(config.features_dir)
+    if index is not None and index.prepared == prepared.fingerprint and tuple(index.aux_layers) == aux_layers:
+        return index
+    target = require_target(config)
+    return FeaturesIndex(prepared.fingerprint, list(aux_layers), model.config.hidden_size, layers, str(target.model))
+
+
+def _compute_shard(model: Any, device: Any, chunk: list[Any], index: FeaturesIndex, config: RunConfig, ctx: StageContext, progress: tuple[int, int], rates: _Rates) -> tuple[list[int], Any, Any]:
+    """(offsets, aux [T, 3H], final [T, H]) of one shard, filled in place batch by batch (no
+    per-sample copies, no concatenation)."""
+    import torch
+
+    offsets = [0]
+    for ids, _ in chunk:
+        offsets.append(offsets[-1] + len(ids))
+    aux_out = torch.empty((offsets[-1], 3 * index.hidden_size), dtype=torch.bfloat16)
+    final_out = torch.empty((offsets[-1], index.hidden_size), dtype=torch.bfloat16)
+    done_before, total = progress
+    for batch in length_batches([len(ids) for ids, _ in chunk], config.extract.batch_tokens):
+        ctx.checkpoint()
+        t0 = time.perf_counter()
+        aux, final = forward_features(model, [chunk[i][0] for i in batch], index.aux_layers, device, torch.bfloat16)
+        aux, final = aux.cpu(), final.cpu()
+        for row, i in enumerate(batch):
+            n = offsets[i + 1] - offsets[i]
+            aux_out[offsets[i] : offsets[i + 1]] = aux[row, :n]
+            final_out[offsets[i] : offsets[i + 1]] = final[row, :n]
+        rates.compute_s += time.perf_counter() - t0
+        rates.fresh_tokens += sum(len(chunk[i][0]) for i in batch)
+        ctx.progress(done_before + rates.fresh_tokens, total, "tokens")
+    return offsets, aux_out, final_out
+
+
+def _metrics(index: FeaturesIndex, rates: _Rates, device: Any) -> dict[str, Any]:
+    import torch
+
+    tokens = index.tokens
+    elapsed = time.monotonic() - rates.started
+    metrics: dict[str, Any] = {
+        "tokens": tokens,
+        "tokens_per_s": round(rates.fresh_tokens / elapsed, 1) if rates.fresh_tokens and elapsed > 0 else None,
+        "forward_tokens_per_s": round(rates.fresh_tokens / rates.compute_s, 1) if rates.compute_s > 0 else None,
+        "bytes_per_token": round(index.stored_bytes / tokens, 1) if tokens else None,
+        "all_layers_bytes_per_token": (index.num_layers + 1) * index.hidden_size * 2 + 5,
+    }
+    if device.type == "cuda":
+        metrics["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return metrics
+
+
+def extract(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
+    target = require_target(config)
+    prepared, samples = load_prepared(config.prepared_dir)
+    out = config.features_dir
+    out.mkdir(parents=True, exist_ok=True)
+    model, device, _ = load_target(target)
+    index = _open_index(config, prepared, model)
     per = config.extract.shard_samples
-    hidden_size = model.config.hidden_size
-    total_tokens = prepared_index["tokens"]
-    done_tokens = sum(s["tokens"] for s in index["shards"].values())
-    started, fresh_tokens, compute_s = time.monotonic(), 0, 0.0
+    rates = _Rates(time.monotonic())
+    done_tokens = index.tokens
     # Shards are written by one background thread while the next one computes; at most one write
     # is in flight, and a shard enters the index only once renamed into place.
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
-    pending = None
+    pending: Future[None] | None = None
     try:
         for first in range(0, len(samples), per):
-            name = _shard_name(first // per)
-            if name in index["shards"] and (out / name).exists():
+            name = shard_name(first // per)
+            if name in index.shards and (out / name).exists():
                 continue
             ctx.checkpoint()
             chunk = samples[first : first + per]
-            offsets = [0]
-            for ids, _ in chunk:
-                offsets.append(offsets[-1] + len(ids))
-            # the shard's tensors, filled in place batch by batch (no per-sample copies, no concat)
-            aux_out = torch.empty((offsets[-1], 3 * hidden_size), dtype=torch.bfloat16)
-            final_out = torch.empty((offsets[-1], hidden_size), dtype=torch.bfloat16)
-            for batch in length_batches([len(ids) for ids, _ in chunk], config.extract.batch_tokens):
-                ctx.checkpoint()
-                t0 = time.perf_counter()
-                aux, final = forward_features(model, [chunk[i][0] for i in batch], aux_layers, device, torch.bfloat16)
-                aux, final = aux.cpu(), final.cpu()
-                for row, i in enumerate(batch):
-                    n = offsets[i + 1] - offsets[i]
-                    aux_out[offsets[i] : offsets[i + 1]] = aux[row, :n]
-                    final_out[offsets[i] : offsets[i + 1]] = final[row, :n]
-                compute_s += time.perf_counter() - t0
-                fresh_tokens += sum(len(chunk[i][0]) for i in batch)
-                ctx.progress(done_tokens + fresh_tokens, total_tokens, "tokens")
+            offsets, aux, final = _compute_shard(model, device, chunk, index, config, ctx, (done_tokens, prepared.tokens), rates)
             if pending is not None:
                 pending.result()
-            pending = writer.submit(_write_shard, out, name, chunk, offsets, aux_out, final_out, first, aux_layers, index, index_path)
+            pending = writer.submit(_write_shard, out, name, chunk, offsets, aux, final, first, index)
         if pending is not None:
             pending.result()
     finally:
         writer.shutdown(wait=True)
-    stored = sum(s["bytes"] for s in index["shards"].values())
-    tokens = sum(s["tokens"] for s in index["shards"].values())
-    hidden = model.config.hidden_size
-    elapsed = time.monotonic() - started
-    metrics = {
-        "tokens": tokens,
-        "tokens_per_s": round(fresh_tokens / elapsed, 1) if fresh_tokens and elapsed > 0 else None,
-        "forward_tokens_per_s": round(fresh_tokens / compute_s, 1) if compute_s > 0 else None,
-        "bytes_per_token": round(stored / tokens, 1) if tokens else None,
-        "all_layers_bytes_per_token": (layers + 1) * hidden * 2 + 5,
-    }
-    if device.type == "cuda":
-        metrics["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
-    index["metrics"] = metrics
-    write_json_atomic(index_path, index)
-    ctx.metrics(**metrics)
-    ctx.progress(tokens, total_tokens, "tokens", force=True)
-    ctx.log("info", f"extract: {tokens} tokens in {len(index['shards'])} shards, {metrics['bytes_per_token']} B/token (all layers would be {metrics['all_layers_bytes_per_token']})")
+    index.metrics = _metrics(index, rates, device)
+    index.write(out)
+    ctx.metrics(**index.metrics)
+    ctx.progress(index.tokens, prepared.tokens, "tokens", force=True)
+    bpt, all_layers = index.metrics["bytes_per_token"], index.metrics["all_layers_bytes_per_token"]
+    ctx.log("info", f"extract: {index.tokens} tokens in {len(index.shards)} shards, {bpt} B/token (all layers would be {all_layers})")
     return index
-
-
-class FeatureShards:
-    """Random access to extracted samples without loading every shard first: a shard is opened
-    (memory-mapped by safetensors) when one of its samples is asked for."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.index = json.loads((directory / "index.json").read_text())
-        self.entries: list[tuple[str, int]] = []  # (shard file, position in shard) per sample
-        for name in sorted(self.index["shards"], key=lambda n: self.index["shards"][n]["first_sample"]):
-            self.entries += [(name, j) for j in range(self.index["shards"][name]["samples"])]
-        self._open: dict[str, Any] = {}
-        self._offsets: dict[str, list[int]] = {}
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    @property
-    def aux_layers(self) -> tuple[int, ...]:
-        return tuple(self.index["aux_layers"])
-
-    def _handle(self, name: str):
-        from safetensors import safe_open
-
-        if name not in self._open:
-            if len(self._open) > 8:
-                self._open.pop(next(iter(self._open)))
-            handle = safe_open(str(self.directory / name), framework="pt")
-            self._open[name] = handle
-            self._offsets[name] = handle.get_tensor("offsets").tolist()
-        return self._open[name]
-
-    def length(self, i: int) -> int:
-        name, j = self.entries[i]
-        self._handle(name)
-        offsets = self._offsets[name]
-        return offsets[j + 1] - offsets[j]
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        name, j = self.entries[i]
-        handle = self._handle(name)
-        a, b = self._offsets[name][j], self._offsets[name][j + 1]
-        return {key: handle.get_slice(key)[a:b] for key in ("input_ids", "loss_mask", "aux", "final")}

@@ -26,13 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
+from pipeline.errors import InputError
+from pipeline.training.artifacts import PreparedIndex, PreparedShard
 from pipeline.training.context import StageContext
+from pipeline.training.target import require_target
+from pipeline.training.vocab import build_draft_vocab
 
-__all__ = ["PrepareError", "build_draft_vocab", "load_prepared", "prepare", "tokenize_conversation"]
+__all__ = ["PrepareError", "prepare", "tokenize_conversation"]
+
+Sample = tuple[list[int], list[int]]  # (input_ids, loss_mask)
 
 
-class PrepareError(ValueError):
-    pass
+class PrepareError(InputError):
+    """Generated records, a pre-tokenized set or a chat template that prepare cannot use."""
 
 
 def _ids(encoded: Any) -> list[int]:
@@ -41,7 +47,7 @@ def _ids(encoded: Any) -> list[int]:
     return list(encoded)
 
 
-def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length: int) -> tuple[list[int], list[int], int]:
+def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_length: int) -> tuple[list[int], list[int], int]:
     """(input_ids, loss_mask, untruncated length) of one conversation rendered by the
     tokenizer's chat template."""
     full = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
@@ -60,25 +66,6 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length:
         for i in range(len(before), len(through)):
             mask[i] = 1
     return full[:max_length], mask[:max_length], len(full)
-
-
-def build_draft_vocab(counts: Counter, vocab_size: int, draft_size: int) -> tuple[list[int], list[int], list[bool]]:
-    """The ``draft_size`` most frequent ids (ties: lower id first), padded with unseen ids, sorted.
-
-    Returns (draft_ids, d2t, t2d): ``target = draft + d2t[draft]`` and ``t2d[target]``.
-    """
-    draft_size = min(draft_size, vocab_size)
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-    chosen = [token for token, _ in ranked[:draft_size]]
-    if len(chosen) < draft_size:
-        taken = set(chosen)
-        chosen += [t for t in range(vocab_size) if t not in taken][: draft_size - len(chosen)]
-    chosen.sort()
-    d2t = [target - i for i, target in enumerate(chosen)]
-    t2d = [False] * vocab_size
-    for target in chosen:
-        t2d[target] = True
-    return chosen, d2t, t2d
 
 
 def _prompt_key(messages: list[dict[str, str]]) -> str:
@@ -113,7 +100,7 @@ def _read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict
     return rows, duplicates
 
 
-def _read_extra(path: Path, max_length: int) -> list[tuple[list[int], list[int]]]:
+def _read_extra(path: Path, max_length: int) -> list[Sample]:
     samples = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -139,52 +126,100 @@ def _fingerprint(config: RunConfig) -> str:
     for extra in config.prepare.extra:
         h.update(str(extra).encode())
         h.update(str(extra.stat().st_size if extra.exists() else -1).encode())
-    assert config.target is not None
-    h.update(json.dumps([str(config.target.tokenizer_path), config.prepare.__dict__], default=str, sort_keys=True).encode())
+    tokenizer = require_target(config).tokenizer_path
+    h.update(json.dumps([str(tokenizer), config.prepare.__dict__], default=str, sort_keys=True).encode())
     return h.hexdigest()
 
 
-def prepare(config: RunConfig, ctx: StageContext) -> dict[str, Any]:
-    if config.target is None:
-        raise PrepareError("prepare needs a [target] table (its tokenizer and chat template)")
-    import torch
-    from safetensors.torch import save_file
+def _load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
-    out = config.prepared_dir
-    fingerprint = _fingerprint(config)
-    index_path = out / "index.json"
-    if index_path.exists():
-        index = json.loads(index_path.read_text())
-        if index.get("fingerprint") == fingerprint:
-            ctx.log("info", f"prepare: up to date ({index['samples']} samples); skipped")
-            return index
-    tokenizer = AutoTokenizer.from_pretrained(str(config.target.tokenizer_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
     if not getattr(tokenizer, "chat_template", None):
-        raise PrepareError(f"{config.target.tokenizer_path}: the tokenizer has no chat template")
-    rows, duplicates = _read_conversations(config, ctx)
-    rng = random.Random(config.prepare.seed)
-    rng.shuffle(rows)
-    n_eval = 0
-    if config.prepare.eval_fraction > 0 and len(rows) > 1:
-        n_eval = min(config.prepare.eval_max, max(1, round(config.prepare.eval_fraction * len(rows))))
-    held_out, rows = rows[:n_eval], rows[n_eval:]
+        raise PrepareError(f"{path}: the tokenizer has no chat template")
+    return tokenizer
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    samples: list[tuple[list[int], list[int]]] = []
+
+def _tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int, ctx: StageContext) -> tuple[list[Sample], int]:
+    """Samples with at least one trained token, and how many were cut at ``max_length``."""
+    samples: list[Sample] = []
     truncated = 0
     for i, row in enumerate(rows):
         ctx.checkpoint()
         try:
-            ids, mask, full_length = tokenize_conversation(tokenizer, row["messages"], config.prepare.max_length)
+            ids, mask, full_length = tokenize_conversation(tokenizer, row["messages"], max_length)
         except PrepareError as exc:
             raise PrepareError(f"{row['dataset']}/{row['id']}: {exc}") from None
         truncated += full_length > len(ids)
         if sum(mask):
             samples.append((ids, mask))
         ctx.progress(i + 1, len(rows), "samples")
+    return samples, truncated
+
+
+def _write_shards(folder: Path, samples: list[Sample], per_shard: int) -> list[PreparedShard]:
+    import torch
+    from safetensors.torch import save_file
+
+    shards = []
+    for s in range(0, len(samples), per_shard):
+        chunk = samples[s : s + per_shard]
+        offsets = [0]
+        for ids, _ in chunk:
+            offsets.append(offsets[-1] + len(ids))
+        name = f"shard-{s // per_shard:05d}.safetensors"
+        tensors = {
+            "input_ids": torch.tensor([t for ids, _ in chunk for t in ids], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for _, mask in chunk for m in mask], dtype=torch.uint8),
+            "offsets": torch.tensor(offsets, dtype=torch.int64),
+        }
+        save_file(tensors, str(folder / name))
+        shards.append(PreparedShard(name, len(chunk), offsets[-1]))
+    return shards
+
+
+def _write_draft_vocab(folder: Path, counts: Counter[int], vocab_size: int, draft_size: int) -> list[int]:
+    import torch
+    from safetensors.torch import save_file
+
+    draft_ids, d2t, t2d = build_draft_vocab(counts, vocab_size, draft_size)
+    tensors = {
+        "d2t": torch.tensor(d2t, dtype=torch.int64),
+        "t2d": torch.tensor(t2d, dtype=torch.bool),
+        "draft_ids": torch.tensor(draft_ids, dtype=torch.int64),
+    }
+    save_file(tensors, str(folder / "draft_vocab.safetensors"))
+    return draft_ids
+
+
+def _write_held_out(folder: Path, held_out: list[dict[str, Any]]) -> None:
+    with open(folder / "eval.jsonl", "w", encoding="utf-8") as f:
+        for row in held_out:
+            f.write(json.dumps({"id": row["id"], "dataset": row["dataset"], "messages": row["messages"][:-1]}, ensure_ascii=False) + "\n")
+
+
+def _split(config: RunConfig, rows: list[dict[str, Any]], rng: random.Random) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(held out for eval, to train on), after a seeded shuffle."""
+    rng.shuffle(rows)
+    n_eval = 0
+    if config.prepare.eval_fraction > 0 and len(rows) > 1:
+        n_eval = min(config.prepare.eval_max, max(1, round(config.prepare.eval_fraction * len(rows))))
+    return rows[:n_eval], rows[n_eval:]
+
+
+def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
+    target = require_target(config)
+    out = config.prepared_dir
+    fingerprint = _fingerprint(config)
+    existing = PreparedIndex.read_if_present(out)
+    if existing is not None and existing.fingerprint == fingerprint:
+        ctx.log("info", f"prepare: up to date ({existing.samples} samples); skipped")
+        return existing
+    tokenizer = _load_tokenizer(target.tokenizer_path)
+    rows, duplicates = _read_conversations(config, ctx)
+    rng = random.Random(config.prepare.seed)
+    held_out, rows = _split(config, rows, rng)
+    samples, truncated = _tokenize_rows(tokenizer, rows, config.prepare.max_length, ctx)
     for extra in config.prepare.extra:
         samples += _read_extra(extra, config.prepare.max_length)
     if config.prepare.extra:
@@ -192,69 +227,34 @@ def prepare(config: RunConfig, ctx: StageContext) -> dict[str, Any]:
     if not samples:
         raise PrepareError("prepare: no usable samples (no generated data, or no assistant tokens)")
 
-    counts: Counter = Counter()
+    tmp = out.with_name(out.name + ".tmp")  # renamed into place at the end: a kill leaves nothing half
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    counts: Counter[int] = Counter()
     for ids, mask in samples:
-        counts.update(t for t, m in zip(ids, mask) if m)
-    vocab_size = len(tokenizer)
-    draft_ids, d2t, t2d = build_draft_vocab(counts, vocab_size, config.prepare.draft_vocab_size)
-    save_file(
-        {"d2t": torch.tensor(d2t, dtype=torch.int64), "t2d": torch.tensor(t2d, dtype=torch.bool), "draft_ids": torch.tensor(draft_ids, dtype=torch.int64)},
-        str(tmp / "draft_vocab.safetensors"),
-    )
-    covered = sum(counts[t] for t in draft_ids)
-    shards = []
-    per = config.prepare.shard_samples
-    for s in range(0, len(samples), per):
-        chunk = samples[s : s + per]
-        offsets = [0]
-        for ids, _ in chunk:
-            offsets.append(offsets[-1] + len(ids))
-        name = f"shard-{s // per:05d}.safetensors"
-        save_file(
-            {
-                "input_ids": torch.tensor([t for ids, _ in chunk for t in ids], dtype=torch.int32),
-                "loss_mask": torch.tensor([m for _, mask in chunk for m in mask], dtype=torch.uint8),
-                "offsets": torch.tensor(offsets, dtype=torch.int64),
-            },
-            str(tmp / name),
-        )
-        shards.append({"file": name, "samples": len(chunk), "tokens": offsets[-1]})
-    with open(tmp / "eval.jsonl", "w", encoding="utf-8") as f:
-        for row in held_out:
-            f.write(json.dumps({"id": row["id"], "dataset": row["dataset"], "messages": row["messages"][:-1]}, ensure_ascii=False) + "\n")
+        counts.update(t for t, m in zip(ids, mask, strict=True) if m)
+    draft_ids = _write_draft_vocab(tmp, counts, len(tokenizer), config.prepare.draft_vocab_size)
+    shards = _write_shards(tmp, samples, config.prepare.shard_samples)
+    _write_held_out(tmp, held_out)
     total_assistant = sum(counts.values())
-    index = {
-        "fingerprint": fingerprint,
-        "samples": len(samples),
-        "tokens": sum(s["tokens"] for s in shards),
-        "assistant_tokens": total_assistant,
-        "duplicates_dropped": duplicates,
-        "truncated": int(truncated),
-        "held_out": len(held_out),
-        "max_length": config.prepare.max_length,
-        "vocab_size": vocab_size,
-        "draft_vocab_size": len(draft_ids),
-        "draft_vocab_coverage": round(covered / total_assistant, 6) if total_assistant else 0.0,
-        "tokenizer": str(config.target.tokenizer_path),
-        "shards": shards,
-    }
-    (tmp / "index.json").write_text(json.dumps(index, indent=1))
+    index = PreparedIndex(
+        fingerprint=fingerprint,
+        samples=len(samples),
+        tokens=sum(s.tokens for s in shards),
+        assistant_tokens=total_assistant,
+        duplicates_dropped=duplicates,
+        truncated=int(truncated),
+        held_out=len(held_out),
+        max_length=config.prepare.max_length,
+        vocab_size=len(tokenizer),
+        draft_vocab_size=len(draft_ids),
+        draft_vocab_coverage=round(sum(counts[t] for t in draft_ids) / total_assistant, 6) if total_assistant else 0.0,
+        tokenizer=str(target.tokenizer_path),
+        shards=tuple(shards),
+    )
+    index.write(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    ctx.metrics(samples=index["samples"], tokens=index["tokens"], duplicates_dropped=duplicates, draft_vocab_coverage=index["draft_vocab_coverage"])
-    ctx.log("info", f"prepare: {index['samples']} samples, {index['tokens']} tokens, draft vocab {len(draft_ids)} covers {100 * index['draft_vocab_coverage']:.1f}% of assistant tokens")
+    ctx.metrics(samples=index.samples, tokens=index.tokens, duplicates_dropped=duplicates, draft_vocab_coverage=index.draft_vocab_coverage)
+    ctx.log("info", f"prepare: {index.samples} samples, {index.tokens} tokens, draft vocab {len(draft_ids)} covers {100 * index.draft_vocab_coverage:.1f}% of assistant tokens")
     return index
-
-
-def load_prepared(directory: Path) -> tuple[dict[str, Any], list[tuple[Any, Any]]]:
-    """index and [(input_ids, loss_mask)] tensors of every prepared sample, in order."""
-    from safetensors.torch import load_file
-
-    index = json.loads((directory / "index.json").read_text())
-    samples = []
-    for shard in index["shards"]:
-        tensors = load_file(str(directory / shard["file"]))
-        offsets = tensors["offsets"].tolist()
-        for a, b in zip(offsets, offsets[1:]):
-            samples.append((tensors["input_ids"][a:b], tensors["loss_mask"][a:b]))
-    return index, samples

@@ -21,8 +21,7 @@ import math
 import os
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -30,57 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import RunConfig
-from pipeline.training.drafter import DraftCache, Eagle3Drafter, drafter_config_from_target
-from pipeline.training.extract import FeatureShards, pick_device
+from pipeline.training.artifacts import Checkpoint, TrainResult
 from pipeline.training.context import StageContext, StageKilled
+from pipeline.training.drafter import DraftCache, Eagle3Drafter, build_drafter
+from pipeline.training.features import FeatureShards
+from pipeline.training.target import head_and_embeddings, pick_device, require_target
 
-__all__ = ["Eagle3Objective", "build_drafter", "load_target_tensors", "train"]
-
-
-def load_target_tensors(model_dir: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Only the named tensors of a (possibly sharded) safetensors checkpoint."""
-    from safetensors import safe_open
-
-    index_file = model_dir / "model.safetensors.index.json"
-    if index_file.exists():
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-    else:
-        weight_map = {}
-        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-            for key in f.keys():
-                weight_map[key] = "model.safetensors"
-    found: dict[str, torch.Tensor] = {}
-    for name in names:
-        if name in weight_map:
-            with safe_open(str(model_dir / weight_map[name]), framework="pt") as f:
-                found[name] = f.get_tensor(name)
-    return found
-
-
-def target_head_and_embeddings(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    tensors = load_target_tensors(model_dir, ("lm_head.weight", "model.embed_tokens.weight", "model.language_model.embed_tokens.weight"))
-    embed = tensors.get("model.embed_tokens.weight", tensors.get("model.language_model.embed_tokens.weight"))
-    if embed is None:
-        raise ValueError(f"{model_dir}: no embed_tokens weight in its safetensors")
-    head = tensors.get("lm_head.weight", embed)  # tied embeddings
-    return head, embed
-
-
-def build_drafter(config: RunConfig, aux_layers: tuple[int, int, int], *, seed: int) -> Eagle3Drafter:
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    assert config.target is not None
-    target_config = AutoConfig.from_pretrained(str(config.target.model))
-    vocab = load_file(str(config.prepared_dir / "draft_vocab.safetensors"))
-    drafter_config = drafter_config_from_target(target_config, draft_vocab_size=len(vocab["d2t"]), aux_layers=aux_layers)
-    torch.manual_seed(seed)
-    drafter = Eagle3Drafter(drafter_config)
-    _, embed = target_head_and_embeddings(config.target.model)
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(embed.float())
-    drafter.set_vocab(vocab["d2t"], vocab["t2d"])
-    return drafter
+__all__ = ["Eagle3Objective", "train"]
 
 
 class Eagle3Objective(nn.Module):
@@ -175,120 +130,129 @@ def _distributed() -> tuple[int, int]:
     return rank, world
 
 
-def _save(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+class _Trainer:
+    """One training run: model, optimiser and schedule built once, then step after step."""
 
+    def __init__(self, config: RunConfig, ctx: StageContext):
+        target = require_target(config)
+        self.config, self.ctx, self.tc = config, ctx, config.train
+        self.rank, self.world = _distributed()
+        ctx.rank = self.rank
+        device, _ = pick_device(target)
+        if self.world > 1 and device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        self.device = device
+        self.features = FeatureShards(config.features_dir)
+        self.aux_layers = tuple(self.features.aux_layers)
+        self.drafter = build_drafter(config, self.aux_layers, seed=self.tc.seed).to(device)
+        head, _ = head_and_embeddings(target.model)
+        objective = Eagle3Objective(self.drafter, head.float().to(device), ttt_length=self.tc.ttt_length, step_weight=self.tc.step_weight)
+        self.model: nn.Module = objective
+        if self.world > 1:
+            self.model = nn.parallel.DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.tc.lr, weight_decay=self.tc.weight_decay)
+        self.n = len(self.features)
+        self.per_rank = self.n // self.world
+        self.steps_per_epoch = max(1, self.per_rank // self.tc.batch_size)
+        total = self.steps_per_epoch * self.tc.epochs
+        self.total_steps = min(total, self.tc.max_steps) if self.tc.max_steps else total
+        self.warmup = max(1, int(self.tc.warmup_ratio * self.total_steps)) if self.tc.warmup_ratio else 0
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._schedule)
+        config.train_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_path = config.train_dir / "checkpoint.pt"
+        self.step, self.history = 0, []
+        self._resume()
 
-def train(config: RunConfig, ctx: StageContext) -> dict[str, Any]:
-    assert config.target is not None
-    tc = config.train
-    rank, world = _distributed()
-    ctx.rank = rank
-    device, _ = pick_device(config.target)
-    if world > 1 and device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    features = FeatureShards(config.features_dir)
-    aux_layers = tuple(features.aux_layers)
-    drafter = build_drafter(config, aux_layers, seed=tc.seed).to(device)
-    head, _ = target_head_and_embeddings(config.target.model)
-    objective = Eagle3Objective(drafter, head.float().to(device), ttt_length=tc.ttt_length, step_weight=tc.step_weight)
-    model: nn.Module = objective
-    if world > 1:
-        model = nn.parallel.DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
-
-    n = len(features)
-    per_rank = n // world
-    steps_per_epoch = max(1, per_rank // tc.batch_size)
-    total_steps = steps_per_epoch * tc.epochs
-    if tc.max_steps:
-        total_steps = min(total_steps, tc.max_steps)
-    warmup = max(1, int(tc.warmup_ratio * total_steps)) if tc.warmup_ratio else 0
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
+    def _schedule(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to zero."""
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.total_steps - self.warmup)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    out = config.train_dir
-    out.mkdir(parents=True, exist_ok=True)
-    checkpoint_path = out / "checkpoint.pt"
-    step, history = 0, []
-    if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, map_location=device, weights_only=False)
-        drafter.load_state_dict(state["drafter"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, history = state["step"], state["history"]
-        ctx.log("info", f"train: resumed at step {step}/{total_steps}")
+    def _resume(self) -> None:
+        if not self.checkpoint_path.exists():
+            return
+        state = Checkpoint.load(self.checkpoint_path, map_location=self.device)
+        self.drafter.load_state_dict(state.drafter, strict=False)
+        self.optimizer.load_state_dict(state.optimizer)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.step, self.history = state.step, state.history
+        self.ctx.log("info", f"train: resumed at step {self.step}/{self.total_steps}")
 
-    def save() -> None:
-        if rank == 0:
-            weights = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens.")}
-            _save(checkpoint_path, {"drafter": weights, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                    "step": step, "history": history, "aux_layers": list(aux_layers),
-                                    "drafter_config": drafter.config.to_dict()})  # fmt: skip
+    def save(self) -> None:
+        if self.rank != 0:
+            return
+        weights = {k: v for k, v in self.drafter.state_dict().items() if not k.startswith("embed_tokens.")}
+        Checkpoint(weights, self.optimizer.state_dict(), self.scheduler.state_dict(), self.step, self.history,
+                   list(self.aux_layers), self.drafter.config.to_dict()).save(self.checkpoint_path)  # fmt: skip
 
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    def load(at: int) -> dict[str, torch.Tensor]:
+    def load_batch(self, at: int) -> dict[str, torch.Tensor]:
         """The batch of step ``at``: a pure function of (seed, epoch, position, rank)."""
-        epoch, in_epoch = divmod(at, steps_per_epoch)
-        order = _order(n, tc.seed, epoch)[rank * per_rank : (rank + 1) * per_rank]
-        chunk = order[in_epoch * tc.batch_size : (in_epoch + 1) * tc.batch_size]
-        batch = _collate([features[i] for i in chunk], torch.device("cpu"), torch.float32)
-        return {k: v.pin_memory() for k, v in batch.items()} if device.type == "cuda" else batch
+        epoch, in_epoch = divmod(at, self.steps_per_epoch)
+        order = _order(self.n, self.tc.seed, epoch)[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
+        chunk = order[in_epoch * self.tc.batch_size : (in_epoch + 1) * self.tc.batch_size]
+        batch = _collate([self.features[i] for i in chunk], torch.device("cpu"), torch.float32)
+        return {k: v.pin_memory() for k, v in batch.items()} if self.device.type == "cuda" else batch
 
-    # One batch is read and collated ahead in a thread while the current one trains, so the
-    # accelerator does not wait on feature reads (shards are only touched from that thread).
-    prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
-    upcoming = prefetch.submit(load, step) if step < total_steps else None
-    started, first_step = time.monotonic(), step
-    model.train()
-    try:
-        while step < total_steps:
-            epoch = step // steps_per_epoch
-            ctx.checkpoint()
-            batch = {k: v.to(device, non_blocking=True) for k, v in upcoming.result().items()}
-            upcoming = prefetch.submit(load, step + 1) if step + 1 < total_steps else None
-            with autocast:
-                loss, losses, accs = model(batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            record = {"step": step, "epoch": epoch, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
-                      "step_loss": [round(float(x), 6) for x in losses], "acc": [round(float(x), 4) for x in accs]}  # fmt: skip
-            history.append(record)
-            if step % tc.log_every == 0 or step == total_steps:
-                ctx.metrics(**record)
-            ctx.progress(step, total_steps, "steps", loss=record["loss"], acc0=record["acc"][0])
-            if step % tc.checkpoint_every == 0:
-                save()
-    except StageKilled:
-        save()
-        raise
-    finally:
-        prefetch.shutdown(wait=True, cancel_futures=True)
-    save()
-    if rank == 0:
-        with open(out / "history.jsonl", "w") as f:
-            for record in history:
-                f.write(json.dumps(record) + "\n")
-    elapsed = time.monotonic() - started
-    tail = history[-max(1, min(len(history), 20)) :]
-    summary = {
-        "steps": step,
-        "final_loss": sum(r["loss"] for r in tail) / len(tail) if tail else None,
-        "acc": [round(sum(r["acc"][i] for r in tail) / len(tail), 4) for i in range(tc.ttt_length)] if tail else [],
-        "steps_per_s": round((step - first_step) / elapsed, 2) if elapsed > 0 else None,
-        "world_size": world,
-    }
-    ctx.metrics(**summary)
-    return summary
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
+        epoch = self.step // self.steps_per_epoch
+        with autocast:
+            loss, losses, accs = self.model(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.tc.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return {"step": self.step, "epoch": epoch, "loss": float(loss.detach()), "lr": self.scheduler.get_last_lr()[0],
+                "step_loss": [round(float(x), 6) for x in losses], "acc": [round(float(x), 4) for x in accs]}  # fmt: skip
+
+    def run(self) -> TrainResult:
+        # One batch is read and collated ahead in a thread while the current one trains, so the
+        # accelerator does not wait on feature reads (shards are only touched from that thread).
+        prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        upcoming: Future[dict[str, torch.Tensor]] | None = prefetch.submit(self.load_batch, self.step) if self.step < self.total_steps else None
+        started, first_step = time.monotonic(), self.step
+        self.model.train()
+        try:
+            while upcoming is not None:
+                self.ctx.checkpoint()
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in upcoming.result().items()}
+                upcoming = prefetch.submit(self.load_batch, self.step + 1) if self.step + 1 < self.total_steps else None
+                record = self.train_step(batch)
+                self.history.append(record)
+                if self.step % self.tc.log_every == 0 or self.step == self.total_steps:
+                    self.ctx.metrics(**record)
+                self.ctx.progress(self.step, self.total_steps, "steps", loss=record["loss"], acc0=record["acc"][0])
+                if self.step % self.tc.checkpoint_every == 0:
+                    self.save()
+        except StageKilled:
+            self.save()
+            raise
+        finally:
+            prefetch.shutdown(wait=True, cancel_futures=True)
+        self.save()
+        return self._summary(time.monotonic() - started, first_step)
+
+    def _summary(self, elapsed: float, first_step: int) -> TrainResult:
+        if self.rank == 0:
+            with open(self.config.train_dir / "history.jsonl", "w") as f:
+                for record in self.history:
+                    f.write(json.dumps(record) + "\n")
+        tail = self.history[-max(1, min(len(self.history), 20)) :]
+        return TrainResult(
+            steps=self.step,
+            final_loss=sum(r["loss"] for r in tail) / len(tail) if tail else None,
+            acc=[round(sum(r["acc"][i] for r in tail) / len(tail), 4) for i in range(self.tc.ttt_length)] if tail else [],
+            steps_per_s=round((self.step - first_step) / elapsed, 2) if elapsed > 0 else None,
+            world_size=self.world,
+        )
+
+
+def train(config: RunConfig, ctx: StageContext) -> TrainResult:
+    result = _Trainer(config, ctx).run()
+    ctx.metrics(**result.__dict__)
+    return result

@@ -1,0 +1,216 @@
+"""What the ML stages hand each other, typed: the prepared index, the features index, the
+training checkpoint and each stage's result. The JSON on disk is these dataclasses' fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import RunError
+from pipeline.files import write_json_atomic
+
+__all__ = [
+    "Checkpoint",
+    "EvalResult",
+    "ExportResult",
+    "FeatureShard",
+    "FeaturesIndex",
+    "PreparedIndex",
+    "PreparedShard",
+    "TrainResult",
+    "load_prepared",
+]
+
+INDEX = "index.json"
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RunError(f"{path}: missing; run {what} first") from None
+    except (OSError, ValueError) as exc:
+        raise RunError(f"{path}: unreadable ({exc})") from None
+
+
+@dataclass(frozen=True)
+class PreparedShard:
+    file: str
+    samples: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class PreparedIndex:
+    """``prepared/index.json``: tokenized shards, the draft vocabulary's reach, what was dropped."""
+
+    fingerprint: str
+    samples: int
+    tokens: int
+    assistant_tokens: int
+    duplicates_dropped: int
+    truncated: int
+    held_out: int
+    max_length: int
+    vocab_size: int
+    draft_vocab_size: int
+    draft_vocab_coverage: float
+    tokenizer: str
+    shards: tuple[PreparedShard, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PreparedIndex:
+        return cls(**{**data, "shards": tuple(PreparedShard(**s) for s in data["shards"])})
+
+    @classmethod
+    def read(cls, directory: Path) -> PreparedIndex:
+        return cls.from_json(_read_json(directory / INDEX, "prepare"))
+
+    @classmethod
+    def read_if_present(cls, directory: Path) -> PreparedIndex | None:
+        path = directory / INDEX
+        if not path.exists():
+            return None
+        try:
+            return cls.read(directory)
+        except (RunError, TypeError, KeyError):
+            return None  # an index of another version: prepare again
+
+    def write(self, directory: Path) -> None:
+        (directory / INDEX).write_text(json.dumps(self.to_json(), indent=1))
+
+
+def load_prepared(directory: Path) -> tuple[PreparedIndex, list[tuple[Any, Any]]]:
+    """The index and [(input_ids, loss_mask)] tensors of every prepared sample, in order."""
+    from safetensors.torch import load_file
+
+    index = PreparedIndex.read(directory)
+    samples = []
+    for shard in index.shards:
+        tensors = load_file(str(directory / shard.file))
+        offsets = tensors["offsets"].tolist()
+        for a, b in zip(offsets, offsets[1:], strict=False):
+            samples.append((tensors["input_ids"][a:b], tensors["loss_mask"][a:b]))
+    return index, samples
+
+
+@dataclass(frozen=True)
+class FeatureShard:
+    first_sample: int
+    samples: int
+    tokens: int
+    bytes: int
+
+
+@dataclass
+class FeaturesIndex:
+    """``features/index.json``, rewritten atomically as each shard lands (so extract resumes)."""
+
+    prepared: str
+    aux_layers: list[int]
+    hidden_size: int
+    num_layers: int
+    target: str
+    shards: dict[str, FeatureShard] = field(default_factory=dict)
+    metrics: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FeaturesIndex:
+        return cls(**{**data, "shards": {name: FeatureShard(**s) for name, s in data.get("shards", {}).items()}})
+
+    @classmethod
+    def read(cls, directory: Path) -> FeaturesIndex:
+        return cls.from_json(_read_json(directory / INDEX, "extract"))
+
+    @classmethod
+    def read_if_present(cls, directory: Path) -> FeaturesIndex | None:
+        if not (directory / INDEX).exists():
+            return None
+        try:
+            return cls.read(directory)
+        except (RunError, TypeError, KeyError):
+            return None
+
+    def write(self, directory: Path) -> None:
+        write_json_atomic(directory / INDEX, self.to_json())
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.shards.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards.values())
+
+    def ordered_shards(self) -> list[tuple[str, FeatureShard]]:
+        return sorted(self.shards.items(), key=lambda item: item[1].first_sample)
+
+
+@dataclass
+class Checkpoint:
+    """``train/checkpoint.pt``: drafter weights (no embeddings), optimiser, schedule, position."""
+
+    drafter: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    step: int
+    history: list[dict[str, Any]]
+    aux_layers: list[int]
+    drafter_config: dict[str, Any]
+
+    def save(self, path: Path) -> None:
+        import torch
+
+        tmp = path.with_name(path.name + ".tmp")
+        # not asdict: it deep-copies every tensor of the optimiser state
+        torch.save({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, tmp)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path, map_location: Any = "cpu") -> Checkpoint:
+        import torch
+
+        if not path.exists():
+            raise RunError(f"{path}: no checkpoint; run train first")
+        state = torch.load(path, map_location=map_location, weights_only=False)
+        return cls(**{f.name: state[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    steps: int
+    final_loss: float | None
+    acc: list[float]
+    steps_per_s: float | None
+    world_size: int
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    dir: str
+    tensors: list[str]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    drafter: str
+    prompts: int
+    verify_steps: int
+    draft_tokens: int
+    acceptance_length: float
+    acceptance_rate_per_position: list[float]
+    greedy_mismatches: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

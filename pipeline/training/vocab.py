@@ -1,0 +1,26 @@
+"""The reduced draft vocabulary of EAGLE-3: the most frequent assistant tokens."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+__all__ = ["build_draft_vocab"]
+
+
+def build_draft_vocab(counts: Counter[int], vocab_size: int, draft_size: int) -> tuple[list[int], list[int], list[bool]]:
+    """The ``draft_size`` most frequent ids (ties: lower id first), padded with unseen ids, sorted.
+
+    Returns (draft_ids, d2t, t2d): ``target = draft + d2t[draft]`` and ``t2d[target]``.
+    """
+    draft_size = min(draft_size, vocab_size)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    chosen = [token for token, _ in ranked[:draft_size]]
+    if len(chosen) < draft_size:
+        taken = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in taken][: draft_size - len(chosen)]
+    chosen.sort()
+    d2t = [target - i for i, target in enumerate(chosen)]
+    t2d = [False] * vocab_size
+    for target in chosen:
+        t2d[target] = True
+    return chosen, d2t, t2d
