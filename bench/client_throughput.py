@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.config import parse_run  # noqa: E402
-from pipeline.servers.launch import start_server  # noqa: E402
-from pipeline.engine import Engine  # noqa: E402
-from pipeline.generate.store import MANIFEST_VERSION, DatasetStore, source_fingerprint  # noqa: E402
+from pipeline.config import parse_run
+from pipeline.engine import Engine
+from pipeline.generate.store import MANIFEST_VERSION, DatasetStore, source_fingerprint
+from pipeline.servers.launch import start_server
 
 
 def _prompts(path: Path, n: int) -> Path:
@@ -64,13 +64,14 @@ async def _ours(base_url: str, work: Path, n: int, in_flight: int) -> float:
 
 
 async def _sdk(base_url: str, n: int, in_flight: int) -> float:
-    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
-
     # The SDK's own default transport, with its pool widened to the concurrency under test.
     import httpx2 as httpx  # the transport this openai release ships with
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
     limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
-    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=5, http_client=DefaultAsyncHttpxClient(limits=limits, timeout=600))
+    client = AsyncOpenAI(
+        base_url=base_url, api_key="unused", max_retries=5, http_client=DefaultAsyncHttpxClient(limits=limits, timeout=600)
+    )
     gate = asyncio.Semaphore(in_flight)
     tokens = 0
 
@@ -78,7 +79,11 @@ async def _sdk(base_url: str, n: int, in_flight: int) -> float:
         nonlocal tokens
         async with gate:
             reply = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": f"Write a short note about item {i}."}], max_tokens=64, temperature=0.7, top_p=1.0
+                model="m",
+                messages=[{"role": "user", "content": f"Write a short note about item {i}."}],
+                max_tokens=64,
+                temperature=0.7,
+                top_p=1.0,
             )
             tokens += reply.usage.completion_tokens
 
@@ -158,7 +163,9 @@ def main() -> None:
                 sdk.append(asyncio.run(_sdk(base_url, args.requests, in_flight)))
             o, s = statistics.median(ours), statistics.median(sdk)
             rows.append((in_flight, args.requests / o, 32 * args.requests / o, args.requests / s, 32 * args.requests / s, s / o))
-    print(f"## Client throughput ({args.requests} requests x {args.repeats}, median; canned 32-token answers; loopback, {os.cpu_count()} cores shared with the server)\n")
+    print(
+        f"## Client throughput ({args.requests} requests x {args.repeats}, median; canned 32-token answers; loopback, {os.cpu_count()} cores shared with the server)\n"
+    )
     print("| in flight | eagleops req/s | eagleops tok/s | AsyncOpenAI req/s | AsyncOpenAI tok/s | ratio (ours / SDK) |")
     print("|---|---|---|---|---|---|")
     for in_flight, orq, otk, srq, stk, ratio in rows:

@@ -26,7 +26,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.servers.launch import start_server  # noqa: E402
+from pipeline.servers.launch import start_server
 
 
 def _run_file(work: Path, base_url: str, name: str) -> Path:
@@ -75,7 +75,12 @@ def _cpu_over(proc: psutil.Process, seconds: float) -> float:
 
 def measure_headless(work: Path, base_url: str, seconds: float) -> float:
     run = _run_file(work, base_url, "headless")
-    proc = subprocess.Popen([sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"], env=_env(work), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"],
+        env=_env(work),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         return _cpu_over(psutil.Process(proc.pid), seconds)
     finally:

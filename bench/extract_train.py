@@ -23,16 +23,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from pipeline.config import parse_run  # noqa: E402
-from pipeline.demo.demo import TINY_PRETRAIN_STEPS  # noqa: E402
-from pipeline.training.extract import length_batches, pad_batch  # noqa: E402
-from pipeline.training.target import load_target  # noqa: E402
-from pipeline.training.artifacts import load_prepared  # noqa: E402
-from pipeline.training.prepare import prepare  # noqa: E402
-from pipeline.training.context import StageContext  # noqa: E402
-from pipeline.demo.tinymodel import build_tiny_model, sample_text  # noqa: E402
+from pipeline.config import parse_run
+from pipeline.demo.demo import TINY_PRETRAIN_STEPS
+from pipeline.demo.tinymodel import build_tiny_model, sample_text
+from pipeline.training.artifacts import load_prepared
+from pipeline.training.context import StageContext
+from pipeline.training.extract import length_batches, pad_batch
+from pipeline.training.prepare import prepare
+from pipeline.training.target import load_target
 
 
 def _conversations(path: Path, n: int) -> None:
@@ -40,7 +40,10 @@ def _conversations(path: Path, n: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for i in range(n):
-            turns = [{"role": "user", "content": sample_text(rng, rng.randint(8, 30))}, {"role": "assistant", "content": sample_text(rng, rng.randint(40, 120))}]
+            turns = [
+                {"role": "user", "content": sample_text(rng, rng.randint(8, 30))},
+                {"role": "assistant", "content": sample_text(rng, rng.randint(40, 120))},
+            ]
             f.write(json.dumps({"id": f"c{i}", "conversations": turns, "completion_tokens": 0}) + "\n")
 
 
@@ -78,7 +81,11 @@ def main() -> None:
         extract_s = time.perf_counter() - t0
 
         model, device, _ = load_target(config.target)
-        batches = [b for first in range(0, len(samples), 256) for b in [[first + i for i in batch] for batch in length_batches([len(ids) for ids, _ in samples[first : first + 256]], 8192)]]
+        batches = [
+            b
+            for first in range(0, len(samples), 256)
+            for b in [[first + i for i in batch] for batch in length_batches([len(ids) for ids, _ in samples[first : first + 256]], 8192)]
+        ]
 
         def bare(batch):
             ids, mask = pad_batch([samples[i][0] for i in batch])
@@ -104,7 +111,14 @@ def main() -> None:
                 for row, i in enumerate(batch):
                     everything.append(torch.cat([h[row, : len(first[i][0])] for h in out.hidden_states], dim=-1).bfloat16())
         all_path = work / "all-layers.safetensors"
-        save_file({"hidden": torch.cat(everything), "input_ids": torch.cat([ids for ids, _ in first]).int(), "loss_mask": torch.cat([m for _, m in first]).to(torch.uint8)}, str(all_path))
+        save_file(
+            {
+                "hidden": torch.cat(everything),
+                "input_ids": torch.cat([ids for ids, _ in first]).int(),
+                "loss_mask": torch.cat([m for _, m in first]).to(torch.uint8),
+            },
+            str(all_path),
+        )
         first_tokens = sum(len(ids) for ids, _ in first)
         all_bpt = all_path.stat().st_size / first_tokens
         first_shard = features_index.shards["shard-00000.safetensors"]
@@ -115,15 +129,25 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     layers = model.config.num_hidden_layers
-    print(f"## Extract and train (tiny target: {layers} layers, hidden {model.config.hidden_size}; {len(samples)} samples, {tokens:,} tokens; CPU, {torch.get_num_threads()} threads)\n")
+    print(
+        f"## Extract and train (tiny target: {layers} layers, hidden {model.config.hidden_size}; {len(samples)} samples, {tokens:,} tokens; CPU, {torch.get_num_threads()} threads)\n"
+    )
     print("| measure | eagleops | baseline | ratio |")
     print("|---|---|---|---|")
-    print(f"| extract tokens/s (whole stage incl. writes) vs bare forward | {tokens / extract_s:,.0f} | {tokens / bare_s:,.0f} (bare `model.model` forward, same batches) | **{extract_s / bare_s:.2f}x** the time |")
+    print(
+        f"| extract tokens/s (whole stage incl. writes) vs bare forward | {tokens / extract_s:,.0f} | {tokens / bare_s:,.0f} (bare `model.model` forward, same batches) | **{extract_s / bare_s:.2f}x** the time |"
+    )
     m = features_index.metrics or {}
-    print(f"| extract, forward + copies only (excl. model load and writes) | {m['forward_tokens_per_s']:,.0f} | {tokens / bare_s:,.0f} | **{tokens / m['forward_tokens_per_s'] / bare_s:.2f}x** the time |")
-    print(f"| bytes on disk per token | {ours_bpt:,.0f} B (3 aux + final, bf16) | {all_bpt:,.0f} B (all {layers + 1} hidden states, bf16) | **{ours_bpt / all_bpt:.2f}x** |")
+    print(
+        f"| extract, forward + copies only (excl. model load and writes) | {m['forward_tokens_per_s']:,.0f} | {tokens / bare_s:,.0f} | **{tokens / m['forward_tokens_per_s'] / bare_s:.2f}x** the time |"
+    )
+    print(
+        f"| bytes on disk per token | {ours_bpt:,.0f} B (3 aux + final, bf16) | {all_bpt:,.0f} B (all {layers + 1} hidden states, bf16) | **{ours_bpt / all_bpt:.2f}x** |"
+    )
     print(f"| train (TTT 7, batch 4) | {summary.steps_per_s:.1f} steps/s, {summary.steps_per_s * 4 * mean_len:,.0f} tokens/s | - | - |")
-    print(f"\nAt H=4096 the same layout is (4 x 4096 x 2 + 5) = {4 * 4096 * 2 + 5:,} B/token; a 32-layer target's all-layer dump would be {33 * 4096 * 2 + 5:,} B/token.")
+    print(
+        f"\nAt H=4096 the same layout is (4 x 4096 x 2 + 5) = {4 * 4096 * 2 + 5:,} B/token; a 32-layer target's all-layer dump would be {33 * 4096 * 2 + 5:,} B/token."
+    )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ def _private_runtime_dir(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fault")
-    with start_server(["pipeline.servers.fault", "--tokens", "20", "--retry-after", "0.1"], folder / "port", log_path=folder / "log") as port:
+    with start_server(
+        ["pipeline.servers.fault", "--tokens", "20", "--retry-after", "0.1"], folder / "port", log_path=folder / "log"
+    ) as port:
         yield Server(port)
 
 

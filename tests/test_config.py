@@ -5,7 +5,16 @@ from pipeline.config import ConfigError, format_tokens, load_run, parse_tokens
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("10M", 10_000_000), ("500k", 500_000), ("12000", 12000), (12000, 12000), ("1.5G", 1_500_000_000), ("2_000", 2000), ("0", 0), ("3m", 3_000_000)],
+    [
+        ("10M", 10_000_000),
+        ("500k", 500_000),
+        ("12000", 12000),
+        (12000, 12000),
+        ("1.5G", 1_500_000_000),
+        ("2_000", 2000),
+        ("0", 0),
+        ("3m", 3_000_000),
+    ],
 )
 def test_parse_tokens(text, expected):
     assert parse_tokens(text) == expected
@@ -64,11 +73,17 @@ max_samples = 5
     "extra,needle",
     [
         ('[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = "lots"\n', "datasets[0].token_budget: not a token count"),
-        ('[[datasets]]\nname = "B1"\npath = "a"\ntokn_budget = 5\ntoken_budget = 5\n', "datasets[0].tokn_budget: unknown key (did you mean 'token_budget'?)"),
+        (
+            '[[datasets]]\nname = "B1"\npath = "a"\ntokn_budget = 5\ntoken_budget = 5\n',
+            "datasets[0].tokn_budget: unknown key (did you mean 'token_budget'?)",
+        ),
         ('[[datasets]]\nname = "B1"\npath = "a"\n', "datasets[0].token_budget: missing"),
         ('[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\nformat = "csv"\n', "datasets[0].format: must be one of"),
         ('concurrency = 0\n[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\n', "concurrency: must be at least 1"),
-        ('[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\n[[datasets]]\nname = "B1"\npath = "b"\ntoken_budget = 5\n', "datasets[1].name: duplicate"),
+        (
+            '[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\n[[datasets]]\nname = "B1"\npath = "b"\ntoken_budget = 5\n',
+            "datasets[1].name: duplicate",
+        ),
     ],
 )
 def test_errors_name_the_key(tmp_path, extra, needle):
@@ -82,7 +97,10 @@ def test_errors_name_the_key(tmp_path, extra, needle):
 
 
 def test_a_key_in_the_run_file_is_refused(tmp_path):
-    path = _write(tmp_path, '[[endpoints]]\nbase_url = "http://127.0.0.1:1/v1"\nmodel = "m"\napi_key = "sk-123"\n[[datasets]]\nname = "a"\npath = "a"\ntoken_budget = 1\n')
+    path = _write(
+        tmp_path,
+        '[[endpoints]]\nbase_url = "http://127.0.0.1:1/v1"\nmodel = "m"\napi_key = "sk-123"\n[[datasets]]\nname = "a"\npath = "a"\ntoken_budget = 1\n',
+    )
     with pytest.raises(ConfigError, match=r"endpoints\[0\]\.api_key: keys never go in run files"):
         load_run(path)
 

@@ -10,10 +10,10 @@ from collections import Counter
 
 import pytest
 
-from pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
 from pipeline.engine import Engine
-from pipeline.protocol.events import DatasetProgress, DatasetState, Kill, LogEvent, Pause, Resume, SetBudget
 from pipeline.engine.headless import run_headless
+from pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
+from pipeline.protocol.events import DatasetProgress, DatasetState, Kill, LogEvent, Pause, Resume, SetBudget
 
 from .conftest import make_config, read_jsonl, write_jsonl
 
@@ -104,9 +104,12 @@ async def test_retries_faults_and_records_permanent_failures(tmp_path, fault_ser
     assert summary.datasets[0].failures == 2 and summary.datasets[0].bad_lines == 1
 
 
+@pytest.mark.slow
 async def test_missing_usage_falls_back_to_the_local_tokenizer(tmp_path, fault_server, tiny_model):
     source = write_jsonl(tmp_path / "a.jsonl", [{"id": "n", "prompt": "x [[fault:nousage]] [[tokens:9]]"}])
-    config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": 100}], tokenizer=str(tiny_model))
+    config = make_config(
+        tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": 100}], tokenizer=str(tiny_model)
+    )
     await Engine(config).run()
     (record,) = read_jsonl(tmp_path / "out" / "A" / "data.jsonl")
     from transformers import AutoTokenizer
@@ -151,7 +154,13 @@ async def test_live_budget_up_resumes_and_down_stops_issuing(tmp_path, fault_ser
 
 async def test_lowering_with_cancel_flag_cancels_in_flight(tmp_path, fault_server):
     source = write_jsonl(tmp_path / "a.jsonl", [{"id": "fast", "prompt": "f [[tokens:50]]"}] + prompts(20, "[[fault:stall]]", "s"))
-    config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": 100000}], concurrency=8, cancel_in_flight_over_budget=True)
+    config = make_config(
+        tmp_path,
+        fault_server.base_url,
+        [{"name": "A", "path": str(source), "token_budget": 100000}],
+        concurrency=8,
+        cancel_in_flight_over_budget=True,
+    )
     fault_server.reset()
     engine = Engine(config)
     run = asyncio.create_task(engine.run())
@@ -202,7 +211,12 @@ async def test_kill_cancels_in_flight_and_the_server_sees_it(tmp_path, fault_ser
 async def test_kill_one_dataset_leaves_the_others_running(tmp_path, fault_server):
     a = write_jsonl(tmp_path / "a.jsonl", prompts(20, "[[fault:stall]]", "a"))
     b = write_jsonl(tmp_path / "b.jsonl", prompts(50, "[[tokens:5]] [[delay:0.01]]", "b"))
-    config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(a), "token_budget": "1M"}, {"name": "B", "path": str(b), "token_budget": "1M"}], concurrency=8)
+    config = make_config(
+        tmp_path,
+        fault_server.base_url,
+        [{"name": "A", "path": str(a), "token_budget": "1M"}, {"name": "B", "path": str(b), "token_budget": "1M"}],
+        concurrency=8,
+    )
     engine = Engine(config)
     run = asyncio.create_task(engine.run())
     await wait_for(lambda: "A" in engine.runners and engine.runners["A"].in_flight > 0)
@@ -221,7 +235,10 @@ async def test_endpoints_are_load_balanced(tmp_path, fault_server, tmp_path_fact
     folder = tmp_path_factory.mktemp("second")
     with start_server(["pipeline.servers.fault", "--tokens", "5"], folder / "port", log_path=folder / "log") as port:
         source = write_jsonl(tmp_path / "a.jsonl", prompts(60, "[[delay:0.02]]"))
-        endpoints = [{"base_url": fault_server.base_url, "model": "m"}, {"base_url": f"http://127.0.0.1:{port}/v1", "model": "m2", "max_concurrency": 2}]
+        endpoints = [
+            {"base_url": fault_server.base_url, "model": "m"},
+            {"base_url": f"http://127.0.0.1:{port}/v1", "model": "m2", "max_concurrency": 2},
+        ]
         config = make_config(tmp_path, "", [{"name": "A", "path": str(source), "token_budget": "1M"}], endpoints=endpoints, concurrency=8)
         await Engine(config).run()
     used = Counter(r["endpoint"] for r in read_jsonl(tmp_path / "out" / "A" / "data.jsonl"))

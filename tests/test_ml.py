@@ -16,12 +16,12 @@ import torch
 
 from pipeline.config import parse_run
 from pipeline.demo.demo import write_demo_datasets
-from pipeline.servers.launch import start_server
 from pipeline.engine import Engine
 from pipeline.protocol.events import StageStatus
+from pipeline.servers.launch import start_server
+from pipeline.training.context import StageContext, StageKilled
 from pipeline.training.prepare import tokenize_conversation
 from pipeline.training.vocab import build_draft_vocab
-from pipeline.training.context import StageContext, StageKilled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +53,9 @@ def generated(tmp_path_factory, tiny_model) -> Path:
     """A real generate run: our model server on loopback serving the tiny target."""
     folder = tmp_path_factory.mktemp("generated")
     write_demo_datasets(folder / "data", count=220)
-    with start_server(["pipeline.servers.model", "--model", str(tiny_model), "--max-batch", "32"], folder / "port", log_path=folder / "log") as port:
+    with start_server(
+        ["pipeline.servers.model", "--model", str(tiny_model), "--max-batch", "32"], folder / "port", log_path=folder / "log"
+    ) as port:
         config = _config(folder, tiny_model, base_url=f"http://127.0.0.1:{port}/v1", stages=["generate"])
         summary = asyncio.run(Engine(config).run())
     assert summary.ok
@@ -73,6 +75,7 @@ def _stage(config, name: str, ctx: StageContext | None = None):
     return stage_functions()[name](config, ctx or StageContext(name))
 
 
+@pytest.mark.slow
 def test_loss_mask_covers_exactly_the_assistant_turns(tiny_model):
     from transformers import AutoTokenizer
 
@@ -112,6 +115,7 @@ def test_draft_vocab_mapping():
     assert padded == [0, 1, 2, 7]  # fewer seen than asked for: unseen ids fill in
 
 
+@pytest.mark.slow
 def test_prepare_dedupes_holds_out_and_writes_shards(workdir, tiny_model):
     config = _config(workdir, tiny_model)
     # the same prompt twice across datasets: kept once
@@ -130,6 +134,7 @@ def test_prepare_dedupes_holds_out_and_writes_shards(workdir, tiny_model):
     assert again.fingerprint == index.fingerprint
 
 
+@pytest.mark.slow
 def test_prepare_takes_pre_tokenized_extra_sets(workdir, tiny_model):
     extra = workdir / "extra.jsonl"
     extra.write_text("".join(json.dumps({"input_ids": [0, 5, 6, 7, 1], "loss_mask": [0, 0, 1, 1, 1]}) + "\n" for _ in range(7)))
@@ -143,6 +148,7 @@ def test_prepare_takes_pre_tokenized_extra_sets(workdir, tiny_model):
         _stage(_config(workdir, tiny_model, prepare={"extra": [str(extra)], "seed": 1}), "prepare")
 
 
+@pytest.mark.slow
 def test_bad_generated_line_names_file_and_line(workdir, tiny_model):
     config = _config(workdir, tiny_model)
     with open(workdir / "out" / "B2" / "data.jsonl", "a") as f:
@@ -153,6 +159,7 @@ def test_bad_generated_line_names_file_and_line(workdir, tiny_model):
         _stage(config, "prepare")
 
 
+@pytest.mark.slow
 def test_extracted_states_equal_a_direct_forward(workdir, tiny_model):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -192,6 +199,7 @@ class _KillAfter(StageContext):
         super().checkpoint()
 
 
+@pytest.mark.slow
 def test_extract_resumes_after_a_kill_with_identical_shards(workdir, tiny_model, tmp_path_factory):
     reference = tmp_path_factory.mktemp("reference")
     shutil.copytree(workdir / "data", reference / "data")
@@ -214,6 +222,7 @@ def test_extract_resumes_after_a_kill_with_identical_shards(workdir, tiny_model,
         assert (config.features_dir / name).read_bytes() == (full.features_dir / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_train_resumes_from_a_checkpoint_on_the_same_loss_curve(workdir, tiny_model, tmp_path_factory):
     straight_dir = tmp_path_factory.mktemp("straight")
     shutil.copytree(workdir / "out", straight_dir / "out")
@@ -235,6 +244,7 @@ def test_train_resumes_from_a_checkpoint_on_the_same_loss_curve(workdir, tiny_mo
     assert curve == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_on_cpu(workdir, tiny_model):
     config = _config(workdir, tiny_model, train={"max_steps": 12, "checkpoint_every": 6})
     _stage(config, "prepare")
@@ -256,6 +266,7 @@ def test_torchrun_two_processes_on_cpu(workdir, tiny_model):
     assert state["step"] == 12
 
 
+@pytest.mark.slow
 def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
     from safetensors import safe_open
 
@@ -276,7 +287,15 @@ def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
     with safe_open(str(config.export_dir / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("fc.weight").dtype == torch.bfloat16
-    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight"} <= keys
+    assert {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.hidden_norm.weight",
+    } <= keys
     assert not any("embed" in k for k in keys)
 
     # a real learning signal, and greedy verification keeps the target's own output

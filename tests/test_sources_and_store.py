@@ -14,7 +14,14 @@ def test_reads_every_format_and_names_bad_lines(tmp_path):
         tmp_path / "mixed.jsonl",
         [
             {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "old"}]},
-            {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]},
+            {
+                "messages": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "q1"},
+                    {"role": "assistant", "content": "a1"},
+                    {"role": "user", "content": "q2"},
+                ]
+            },
             {"prompt": "just this"},
             "{not json",
             {"messages": [{"role": "user"}]},

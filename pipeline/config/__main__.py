@@ -1,7 +1,7 @@
 """Print the run file reference, or rewrite it between the README's markers:
 
-    python -m pipeline.config            # print
-    python -m pipeline.config README.md  # update the README in place
+python -m pipeline.config            # print
+python -m pipeline.config README.md  # update the README in place
 """
 
 from __future__ import annotations

@@ -40,10 +40,14 @@ class EndpointConfig:
 
     REFUSED_KEYS = {"api_key": "keys never go in run files; set api_key_env to an environment variable's name"}
 
-    base_url: str = setting(doc="`http(s)://host:port/v1`", check=matches(r"^https?://[^/\s]+", "must be an http(s) URL"), clean=lambda s: s.rstrip("/"))
+    base_url: str = setting(
+        doc="`http(s)://host:port/v1`", check=matches(r"^https?://[^/\s]+", "must be an http(s) URL"), clean=lambda s: s.rstrip("/")
+    )
     model: str = setting(doc="model id the server knows the target by")
     api_key_env: str | None = setting(
-        None, "NAME of the environment variable holding the key", check=matches(r"^[A-Za-z_][A-Za-z0-9_]*$", "must be the NAME of an environment variable, not the key itself")
+        None,
+        "NAME of the environment variable holding the key",
+        check=matches(r"^[A-Za-z_][A-Za-z0-9_]*$", "must be the NAME of an environment variable, not the key itself"),
     )
     max_concurrency: int | None = setting(None, "cap on this endpoint's requests in flight", check=at_least(1))
 
@@ -81,7 +85,7 @@ class RetryConfig:
 class DatasetConfig:
     """A prompt source and its token budget."""
 
-    name: str = setting(doc="letters, digits, `_`, `.`, `-`", check=matches(_NAME, "use letters, digits, '_', '.', '-' only"))
+    name: str = setting(doc="unique in the run; names its output folder", check=matches(_NAME, "use letters, digits, '_', '.', '-' only"))
     path: Path = setting(doc="JSONL source (relative to the run file)")
     token_budget: int = setting(doc="completion tokens to generate", tokens=True)
     format: str = setting("auto", "`conversations`, `messages`, `prompt`, or `auto` per row", check=one_of(*FORMATS))
@@ -95,7 +99,9 @@ class TargetConfig:
 
     model: Path = setting(doc="checkpoint directory")
     tokenizer: Path | None = setting(None, "tokenizer directory, if not the model's")
-    dtype: str = setting("auto", "`auto`: bf16 where the device supports it, else fp32", check=one_of("auto", "bfloat16", "float16", "float32"))
+    dtype: str = setting(
+        "auto", "`auto`: bf16 where the device supports it, else fp32", check=one_of("auto", "bfloat16", "float16", "float32")
+    )
     device: str = setting("auto", "`auto`: cuda if available, else cpu")
 
     @property
@@ -125,7 +131,9 @@ class ExtractConfig:
     """The target's hidden states EAGLE-3 trains on."""
 
     aux_layers: tuple[int, ...] | None = setting(
-        None, "three layer indices (low, mid, high); default `[1, N//2-1, N-4]`", check=Check(_three_layers, "must be three layer indices (low, middle, high), e.g. [1, 15, 28]")
+        None,
+        "three layer indices (low, mid, high); default `[1, N//2-1, N-4]`",
+        check=Check(_three_layers, "must be three layer indices (low, middle, high), e.g. [1, 15, 28]"),
     )
     batch_tokens: int = setting(8192, "padded tokens per forward batch", check=at_least(1))
     shard_samples: int = setting(256, "samples per feature shard", check=at_least(1))
@@ -172,7 +180,9 @@ class RunConfig:
     flush_interval_s: float = setting(0.5, "seconds between durable batches", check=Check(lambda v: v > 0, "must be positive"))
     status_interval_s: float = setting(5.0, "seconds between `--no-tui` status lines", check=Check(lambda v: v > 0, "must be positive"))
     stages: tuple[str, ...] | None = setting(
-        None, "stages to run, in pipeline order; default all with `[target]`, else generate", check=Check(lambda v: all(s in ALL_STAGES for s in v), f"stages are {', '.join(ALL_STAGES)}")
+        None,
+        "stages to run, in pipeline order; default all with `[target]`, else generate",
+        check=Check(lambda v: all(s in ALL_STAGES for s in v), f"stages are {', '.join(ALL_STAGES)}"),
     )
     sampling: SamplingConfig = setting(SamplingConfig())
     retry: RetryConfig = setting(RetryConfig())

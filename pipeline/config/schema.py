@@ -98,7 +98,9 @@ def setting(
 
 
 def _copy(value: Any) -> Any:
-    return dataclasses.replace(value) if dataclasses.is_dataclass(value) else type(value)(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value)
+    return type(value)(value)
 
 
 class Table:
@@ -243,7 +245,8 @@ def _type_text(hint: Any, meta: dict[str, Any]) -> str:
 def _default_text(f: dataclasses.Field[Any]) -> str:
     if f.default is _REQUIRED and f.default_factory is _REQUIRED:
         return "**required**"
-    value = f.default if f.default is not _REQUIRED else f.default_factory()  # type: ignore[misc]
+    factory = f.default_factory
+    value = factory() if callable(factory) else f.default
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -252,7 +255,7 @@ def _default_text(f: dataclasses.Field[Any]) -> str:
         return "`[" + ", ".join(f'"{v}"' if isinstance(v, str) else str(v) for v in value) + "]`"
     if isinstance(value, dict):
         return "`{}`" if not value else f"`{value}`"
-    if isinstance(value, str):
+    if isinstance(value, (str, Path)):
         return f'`"{value}"`'
     return f"`{value:g}`" if isinstance(value, float) else f"`{value}`"
 

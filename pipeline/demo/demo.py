@@ -33,7 +33,13 @@ def write_demo_datasets(directory: Path, *, count: int = 300, seed: int = 1) -> 
     directory.mkdir(parents=True, exist_ok=True)
     rows = {
         "sharegpt.jsonl": [
-            {"id": f"sg-{i}", "conversations": [{"from": "human", "value": sample_text(rng, rng.randint(5, 25))}, {"from": "gpt", "value": sample_text(rng, 12)}]}
+            {
+                "id": f"sg-{i}",
+                "conversations": [
+                    {"from": "human", "value": sample_text(rng, rng.randint(5, 25))},
+                    {"from": "gpt", "value": sample_text(rng, 12)},
+                ],
+            }
             for i in range(count)
         ],
         "ultrachat.jsonl": [

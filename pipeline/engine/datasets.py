@@ -23,7 +23,7 @@ _READ_BATCH = 256
 
 
 class DatasetRunner:
-    def __init__(self, engine: "Engine", config: DatasetConfig, store: DatasetStore):
+    def __init__(self, engine: Engine, config: DatasetConfig, store: DatasetStore):
         self.engine, self.config, self.store = engine, config, store
         self.budget = store.budget_override if store.budget_override is not None else config.token_budget
         self.state = DatasetState.QUEUED

@@ -26,9 +26,9 @@ from pipeline.engine.datasets import DatasetRunner
 from pipeline.engine.redact import Redactor
 from pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, read_host, scrape_metrics, server_metrics
 from pipeline.errors import RunError
-from pipeline.protocol.control import ControlError, ControlServer, socket_path_for
 from pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
 from pipeline.generate.store import DatasetStore, StoreError
+from pipeline.protocol.control import ControlError, ControlServer, socket_path_for
 from pipeline.protocol.events import DatasetProgress, DatasetState, EndpointStats, Event, LogEvent, StageState, StageStatus
 from pipeline.training.context import StageContext, StageKilled
 
@@ -151,7 +151,7 @@ class Engine(EngineCommands):
         except asyncio.CancelledError:
             runner._finish(DatasetState.KILLED, "killed; resumable")
             # Swallow: a killed dataset is a state, not an error of the engine.
-        except Exception as exc:  # noqa: BLE001 - a broken dataset must not take the others down
+        except Exception as exc:
             runner._finish(DatasetState.FAILED, self.redact(f"{type(exc).__name__}: {exc}"))
         finally:
             self._changed.set()
@@ -192,7 +192,7 @@ class Engine(EngineCommands):
             try:
                 gpu = await asyncio.to_thread(self.gpu_reader.read)
                 host = await asyncio.to_thread(read_host)
-            except Exception as exc:  # noqa: BLE001 - telemetry must never stop a run
+            except Exception as exc:
                 self.log("warning", f"telemetry: {type(exc).__name__}: {exc}")
             else:
                 for event in (gpu, host):
@@ -242,7 +242,11 @@ class Engine(EngineCommands):
                     ds.name,
                 )
             if store.budget_override is not None and store.budget_override != ds.token_budget:
-                self.log("info", f"{ds.name}: budget {format_tokens(store.budget_override)} (set live; run file says {format_tokens(ds.token_budget)})", ds.name)
+                self.log(
+                    "info",
+                    f"{ds.name}: budget {format_tokens(store.budget_override)} (set live; run file says {format_tokens(ds.token_budget)})",
+                    ds.name,
+                )
 
     async def run(self) -> RunSummary:
         if self._lock_file is None:
@@ -325,7 +329,7 @@ class Engine(EngineCommands):
             result = await asyncio.to_thread(stage_functions()[name], self.config, ctx)
         except StageKilled:
             self._set_stage(name, StageStatus.KILLED, "killed; resumable")
-        except Exception as exc:  # noqa: BLE001 - a failed stage is reported, the run stops cleanly
+        except Exception as exc:
             self.log("error", self.redact(f"{name}: {type(exc).__name__}: {exc}"))
             self._set_stage(name, StageStatus.FAILED, self.redact(str(exc))[:200])
         else:

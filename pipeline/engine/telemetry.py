@@ -16,7 +16,17 @@ import aiohttp
 
 from pipeline.protocol.events import GpuStats, HostStats, ServerMetrics
 
-__all__ = ["GpuReader", "NvmlReader", "StaticGpuReader", "SyntheticGpuReader", "gpu_reader_from_env", "parse_prometheus", "read_host", "scrape_metrics", "server_metrics"]
+__all__ = [
+    "GpuReader",
+    "NvmlReader",
+    "StaticGpuReader",
+    "SyntheticGpuReader",
+    "gpu_reader_from_env",
+    "parse_prometheus",
+    "read_host",
+    "scrape_metrics",
+    "server_metrics",
+]
 
 
 class GpuReader(Protocol):
@@ -28,7 +38,7 @@ def _na(call, *args):
     """One NVML field, or None when this GPU/driver cannot say (NotSupported, NoPermission...)."""
     try:
         return call(*args)
-    except Exception:  # noqa: BLE001 - pynvml raises one NVMLError subclass per cause; all mean N/A
+    except Exception:
         return None
 
 
@@ -49,7 +59,7 @@ class NvmlReader:
 
                 pynvml.nvmlInit()
                 self._nvml = pynvml
-            except Exception as exc:  # noqa: BLE001 - no library, no driver, no device: all "no GPU"
+            except Exception as exc:
                 self._error = f"no NVIDIA GPU ({type(exc).__name__})"
         return self._nvml
 
@@ -120,7 +130,15 @@ class SyntheticGpuReader:
         t = time.monotonic() - self._start
         gib = 2**30
         gpus = tuple(
-            (i, "Synthetic H200", 70 + 25 * math.sin(t / 7 + i), int((90 + 10 * math.sin(t / 30)) * gib), 141 * gib, 60 + 5 * math.sin(t / 50), 500 + 100 * math.sin(t / 9))
+            (
+                i,
+                "Synthetic H200",
+                70 + 25 * math.sin(t / 7 + i),
+                int((90 + 10 * math.sin(t / 30)) * gib),
+                141 * gib,
+                60 + 5 * math.sin(t / 50),
+                500 + 100 * math.sin(t / 9),
+            )
             for i in range(self.count)
         )
         return GpuStats(gpus=gpus)

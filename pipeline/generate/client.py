@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from pipeline.config import EndpointConfig, RetryConfig, SamplingConfig
+from pipeline.errors import EagleOpsError
 
 __all__ = [
     "ChatClient",
@@ -35,7 +36,7 @@ __all__ = [
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524}
 
 
-class PermanentFailure(Exception):
+class PermanentFailure(EagleOpsError):
     """The record cannot be completed: recorded in failed.jsonl with this reason."""
 
     def __init__(self, reason: str, attempts: int):
@@ -275,7 +276,7 @@ class ChatClient:
         try:
             response = await self.session.post(endpoint.url, data=self._body(endpoint, messages), headers=headers, timeout=self._timeout)
             raw = await response.read()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _Retryable(f"timed out after {self.retry.timeout_s:g}s") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             raise _Retryable(f"connection error: {type(exc).__name__}: {exc}") from None

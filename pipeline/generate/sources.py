@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import InputError
+
 __all__ = ["Prompt", "BadLine", "SourceReader", "parse_row", "prompt_id_for"]
 
 _ROLE_ALIASES = {
@@ -52,7 +54,9 @@ class BadLine:
         return f"{self.path}:{self.line}: {self.field}: {self.reason}"
 
 
-class RowError(ValueError):
+class RowError(InputError):
+    """One source row is unusable; becomes a BadLine naming file, line and field."""
+
     def __init__(self, field: str, reason: str):
         super().__init__(f"{field}: {reason}")
         self.field, self.reason = field, reason

@@ -60,7 +60,7 @@ class Totals:
         else:
             self.failures += 1
 
-    def copy(self) -> "Totals":
+    def copy(self) -> Totals:
         return Totals(**self.__dict__)
 
 
@@ -138,9 +138,9 @@ class DatasetStore:
         if manifest and self._read_pos[0] > 0:
             if not self.source.exists():
                 raise StoreError(f"{self.source}: source missing (the run was at byte {self._read_pos[0]})")
-            if self.source.stat().st_size < self._read_pos[0] or source_fingerprint(
-                self.source, self._read_pos[0]
-            ) != manifest.get("source_fingerprint"):
+            if self.source.stat().st_size < self._read_pos[0] or source_fingerprint(self.source, self._read_pos[0]) != manifest.get(
+                "source_fingerprint"
+            ):
                 raise StoreError(
                     f"{self.source}: changed since this output was written (resume point byte "
                     f"{self._read_pos[0]}); restore it or use a new output_dir"

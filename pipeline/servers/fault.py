@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--retry-after", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    server = FaultServer(tokens=args.tokens, latency_s=args.latency, fault_rate=args.fault_rate, retry_after=args.retry_after, seed=args.seed)
+    server = FaultServer(
+        tokens=args.tokens, latency_s=args.latency, fault_rate=args.fault_rate, retry_after=args.retry_after, seed=args.seed
+    )
     serve_forever(server.app(), args.host, args.port, args.port_file)
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+
+from pipeline.errors import RunError
 
 __all__ = ["start_server"]
 
@@ -18,14 +22,19 @@ def start_server(argv: list[str], port_file: Path, *, log_path: Path, timeout_s:
     """Start one of our loopback servers as a subprocess; yield its port; stop it after."""
     port_file.unlink(missing_ok=True)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", *argv, "--port", "0", "--port-file", str(port_file)], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *argv, "--port", "0", "--port-file", str(port_file)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stopping it stops whatever it started
+        )
     try:
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+                raise RunError(f"server exited with {proc.returncode}; see {log_path}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start in {timeout_s:.0f}s; see {log_path}")
+                raise RunError(f"server did not start in {timeout_s:.0f}s; see {log_path}")
             time.sleep(0.05)
         port = int(port_file.read_text())
         while True:  # the port file is written once listening; health confirms the app is routed
@@ -38,9 +47,16 @@ def start_server(argv: list[str], port_file: Path, *, log_path: Path, timeout_s:
                 time.sleep(0.05)
         yield port
     finally:
-        proc.terminate()
+        _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group, SIGKILL it if it lingers."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
         try:
-            proc.wait(10)
+            proc.wait(grace)
+            return
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            continue

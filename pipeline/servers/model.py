@@ -23,9 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from aiohttp import web  # noqa: E402
+from aiohttp import web
 
-from .common import LOOPBACK, serve_forever, wait_unless_disconnected  # noqa: E402
+from .common import LOOPBACK, serve_forever, wait_unless_disconnected
 
 
 @dataclass
@@ -99,11 +99,13 @@ class ModelServer:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-        except Exception as exc:  # noqa: BLE001 - any template failure is the client's request
+        except Exception as exc:
             return web.json_response({"error": {"message": f"chat template failed: {exc}"}}, status=400)
         ids = list(ids)
         if len(ids) + 1 > self.max_len:
-            return web.json_response({"error": {"message": f"prompt of {len(ids)} tokens exceeds max_model_len {self.max_len}"}}, status=400)
+            return web.json_response(
+                {"error": {"message": f"prompt of {len(ids)} tokens exceeds max_model_len {self.max_len}"}}, status=400
+            )
         max_tokens = max(1, min(max_tokens, self.max_len - len(ids)))
         loop = asyncio.get_running_loop()
         job = _Job(ids, max_tokens, temperature, top_p, loop, loop.create_future())
@@ -153,7 +155,7 @@ class ModelServer:
             self.running = len(batch)
             try:
                 results = self._generate(batch)
-            except Exception as exc:  # noqa: BLE001 - report to every waiting client
+            except Exception as exc:
                 for job in batch:
                     job.loop.call_soon_threadsafe(_set_exception, job.future, exc)
             else:

@@ -29,7 +29,15 @@ from pipeline.config import RunConfig
 from pipeline.errors import InputError
 from pipeline.training.target import head_and_embeddings, require_target
 
-__all__ = ["EXPORTED_PREFIXES", "DraftCache", "Eagle3Drafter", "build_drafter", "drafter_config_from_target", "eagle3_aux_layers", "load_exported"]
+__all__ = [
+    "EXPORTED_PREFIXES",
+    "DraftCache",
+    "Eagle3Drafter",
+    "build_drafter",
+    "drafter_config_from_target",
+    "eagle3_aux_layers",
+    "load_exported",
+]
 
 # what a server loads from an export: the target supplies the embeddings
 EXPORTED_PREFIXES = ("midlayer.", "fc.", "norm.", "lm_head.", "d2t", "t2d")
@@ -42,7 +50,7 @@ def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
         # tiny targets: spread three distinct layers as evenly as the depth allows
         layers = tuple(sorted({max(0, min(num_layers - 1, round(x))) for x in (num_layers * 0.15, num_layers * 0.5, num_layers * 0.85)}))
         if len(layers) < 3:
-            raise ValueError(f"a target with {num_layers} layers is too shallow for three auxiliary layers")
+            raise InputError(f"a target with {num_layers} layers is too shallow for three auxiliary layers")
     return layers  # type: ignore[return-value]
 
 
@@ -107,7 +115,7 @@ class DraftCache:
     values: list[torch.Tensor]
 
     @classmethod
-    def empty(cls) -> "DraftCache":
+    def empty(cls) -> DraftCache:
         return cls([], [])
 
 

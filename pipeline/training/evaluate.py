@@ -33,7 +33,9 @@ def _target_pass(model, ids: list[int], aux_layers, device):
 
 
 @torch.no_grad()
-def speculative_generate(model, drafter: Eagle3Drafter, prompt: list[int], *, aux_layers, k: int, max_new_tokens: int, eos: int | None, device):
+def speculative_generate(
+    model, drafter: Eagle3Drafter, prompt: list[int], *, aux_layers, k: int, max_new_tokens: int, eos: int | None, device
+):
     """Returns (generated ids, accepted drafts per verify step)."""
     aux, greedy = _target_pass(model, prompt, aux_layers, device)
     seq, pending = list(prompt), greedy[-1]  # ``pending``: the target's next token, not yet appended
@@ -112,7 +114,9 @@ def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False) -
         ctx.checkpoint()
         encoded = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
         prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-        generated, accepted = speculative_generate(model, drafter, prompt, aux_layers=aux_layers, k=k, max_new_tokens=config.eval.max_new_tokens, eos=eos, device=device)
+        generated, accepted = speculative_generate(
+            model, drafter, prompt, aux_layers=aux_layers, k=k, max_new_tokens=config.eval.max_new_tokens, eos=eos, device=device
+        )
         if generated != _greedy(model, prompt, len(generated), eos, device)[: len(generated)]:
             mismatches += 1
         steps += accepted
@@ -122,5 +126,8 @@ def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False) -
         (config.output_dir / "eval.json").write_text(json.dumps(result.to_json(), indent=1))
     ctx.metrics(**result.to_json())
     per_position = result.acceptance_rate_per_position
-    ctx.log("info", f"eval: acceptance length {result.acceptance_length:.2f} over {len(steps)} verify steps ({k} draft tokens); per position {per_position}")
+    ctx.log(
+        "info",
+        f"eval: acceptance length {result.acceptance_length:.2f} over {len(steps)} verify steps ({k} draft tokens); per position {per_position}",
+    )
     return result

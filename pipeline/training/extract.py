@@ -84,7 +84,9 @@ class _Rates:
     compute_s: float = 0.0
 
 
-def _write_shard(out: Path, name: str, chunk: list[Any], offsets: list[int], aux: Any, final: Any, first: int, index: FeaturesIndex) -> None:
+def _write_shard(
+    out: Path, name: str, chunk: list[Any], offsets: list[int], aux: Any, final: Any, first: int, index: FeaturesIndex
+) -> None:
     import json
     import os
 
@@ -101,7 +103,9 @@ def _write_shard(out: Path, name: str, chunk: list[Any], offsets: list[int], aux
     tmp = out / (name + ".tmp")
     # one metadata key: safetensors writes its metadata map in hash order, and a shard must come
     # out byte-identical when a killed extract redoes it
-    save_file(tensors, str(tmp), metadata={"eagleops": json.dumps({"first_sample": first, "aux_layers": list(index.aux_layers)}, sort_keys=True)})
+    save_file(
+        tensors, str(tmp), metadata={"eagleops": json.dumps({"first_sample": first, "aux_layers": list(index.aux_layers)}, sort_keys=True)}
+    )
     os.replace(tmp, out / name)
     index.shards[name] = FeatureShard(first, len(chunk), offsets[-1], (out / name).stat().st_size)
     index.write(out)
@@ -120,7 +124,16 @@ def _open_index(config: RunConfig, prepared: PreparedIndex, model: Any) -> Featu
     return FeaturesIndex(prepared.fingerprint, list(aux_layers), model.config.hidden_size, layers, str(target.model))
 
 
-def _compute_shard(model: Any, device: Any, chunk: list[Any], index: FeaturesIndex, config: RunConfig, ctx: StageContext, progress: tuple[int, int], rates: _Rates) -> tuple[list[int], Any, Any]:
+def _compute_shard(
+    model: Any,
+    device: Any,
+    chunk: list[Any],
+    index: FeaturesIndex,
+    config: RunConfig,
+    ctx: StageContext,
+    progress: tuple[int, int],
+    rates: _Rates,
+) -> tuple[list[int], Any, Any]:
     """(offsets, aux [T, 3H], final [T, H]) of one shard, filled in place batch by batch (no
     per-sample copies, no concatenation)."""
     import torch

@@ -60,8 +60,7 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_le
         through = full if k + 1 == len(messages) else _ids(tokenizer.apply_chat_template(messages[: k + 1], tokenize=True))
         if full[: len(through)] != through or through[: len(before)] != before:
             raise PrepareError(
-                "the chat template does not render conversations prefix-consistently, so assistant spans "
-                f"cannot be located (turn {k})"
+                f"the chat template does not render conversations prefix-consistently, so assistant spans cannot be located (turn {k})"
             )
         for i in range(len(before), len(through)):
             mask[i] = 1
@@ -256,5 +255,8 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     ctx.metrics(samples=index.samples, tokens=index.tokens, duplicates_dropped=duplicates, draft_vocab_coverage=index.draft_vocab_coverage)
-    ctx.log("info", f"prepare: {index.samples} samples, {index.tokens} tokens, draft vocab {len(draft_ids)} covers {100 * index.draft_vocab_coverage:.1f}% of assistant tokens")
+    ctx.log(
+        "info",
+        f"prepare: {index.samples} samples, {index.tokens} tokens, draft vocab {len(draft_ids)} covers {100 * index.draft_vocab_coverage:.1f}% of assistant tokens",
+    )
     return index

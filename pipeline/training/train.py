@@ -214,7 +214,9 @@ class _Trainer:
         # One batch is read and collated ahead in a thread while the current one trains, so the
         # accelerator does not wait on feature reads (shards are only touched from that thread).
         prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
-        upcoming: Future[dict[str, torch.Tensor]] | None = prefetch.submit(self.load_batch, self.step) if self.step < self.total_steps else None
+        upcoming: Future[dict[str, torch.Tensor]] | None = (
+            prefetch.submit(self.load_batch, self.step) if self.step < self.total_steps else None
+        )
         started, first_step = time.monotonic(), self.step
         self.model.train()
         try:
