@@ -9,56 +9,55 @@ import signal
 from pathlib import Path
 
 from textual.app import App, ComposeResult
-from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Footer, Header, Log
+from textual.worker import Worker, WorkerState
 
 from pipeline.config import RunConfig
-from pipeline.protocol.control import ControlError
 from pipeline.engine import Engine
-from pipeline.protocol.events import Command, Kill, LogEvent, Pause, Resume, SetBudget, StageState
 from pipeline.engine.headless import exit_code
+from pipeline.errors import UsageError
+from pipeline.protocol.control import ControlError
+from pipeline.protocol.events import Command, Kill, LogEvent, Pause, Resume, SetBudget, StageState
 from pipeline.protocol.report import format_event
 
+from .keymap import APP_KEYS, bindings
 from .link import EngineLink, LocalLink, SocketLink
+from .panes import DatasetsTable, GpuPane, ServerPane, StagesPane
 from .screens import BudgetScreen, ConfirmScreen, HelpScreen
 from .state import ConsoleState
-from .panes import DatasetsTable, GpuPane, ServerPane, StagesPane
 
 __all__ = ["EagleOpsApp", "THEMES", "attach_console", "run_console"]
 
 THEMES_DIR = Path(__file__).resolve().parent.parent / "themes"
 THEMES = {"dark": "textual-dark", "light": "textual-light"}
+COMMAND_TIMEOUT_S = 10.0  # an engine answers in milliseconds; this long means it is stuck or gone
 
 
 def theme_css(theme: str) -> list[Path]:
     if theme not in THEMES:
-        raise ValueError(f"unknown theme {theme!r}; choose from {', '.join(THEMES)}")
+        raise UsageError(f"unknown theme {theme!r}; choose from {', '.join(THEMES)}")
     return [THEMES_DIR / "base.tcss", THEMES_DIR / f"{theme}.tcss"]
+
+
+def _describe(command: Command) -> str:
+    return f"command {command.kind} {command.dataset or '*'}"
 
 
 class EagleOpsApp(App[int]):
     TITLE = "eagleops"
-    BINDINGS = [
-        Binding("p", "pause", "Pause"),
-        Binding("P", "pause_all", "Pause all", show=False),
-        Binding("r", "resume", "Resume"),
-        Binding("R", "resume_all", "Resume all", show=False),
-        Binding("b", "budget", "Budget"),
-        Binding("k", "kill", "Kill"),
-        Binding("K", "kill_all", "Kill run", show=False),
-        Binding("question_mark", "help", "Help"),
-        Binding("q", "quit_console", "Quit"),
-    ]
+    BINDINGS = bindings(APP_KEYS)
 
-    def __init__(self, link: EngineLink, *, theme: str = "dark", refresh_s: float = 1.0):
+    def __init__(self, link: EngineLink, *, theme: str = "dark", refresh_s: float = 1.0, command_timeout_s: float = COMMAND_TIMEOUT_S):
         super().__init__(css_path=theme_css(theme))
         self.link = link
         self.theme_name = theme
         self.refresh_s = refresh_s
+        self.command_timeout_s = command_timeout_s
         self.state = ConsoleState()
         self._rendered_version = -1
         self.engine_finished = False
+        self._leaving = False
         self.sub_title = link.description
 
     def compose(self) -> ComposeResult:
@@ -122,11 +121,19 @@ class EagleOpsApp(App[int]):
             self.bell()
         return name
 
+    def dispatch(self, command: Command) -> None:
+        """Send from a worker: a stalled engine must not freeze the keys while it is awaited."""
+        self.run_worker(self.send(command), name=_describe(command), group="commands", exit_on_error=False)
+
     async def send(self, command: Command) -> None:
         try:
-            ack = await self.link.send(command)
+            ack = await asyncio.wait_for(self.link.send(command), timeout=self.command_timeout_s)
+        except TimeoutError:  # before OSError, of which it is a subclass
+            self.write_log(f"{_describe(command)}: no answer from the engine in {self.command_timeout_s:g}s", "error")
+            self.bell()
+            return
         except (ControlError, ConnectionError, OSError) as exc:
-            self.write_log(f"command {command.kind} failed: {exc}", "error")
+            self.write_log(f"{_describe(command)} failed: {exc}", "error")
             self.bell()
             return
         if not ack.ok:
@@ -135,19 +142,26 @@ class EagleOpsApp(App[int]):
         elif self.link.attached is False and self.engine_finished:
             self.write_log(ack.message)
 
-    async def action_pause(self) -> None:
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        # send() reports the failures it expects; anything else is a bug, shown rather than lost
+        worker = event.worker
+        if worker.group == "commands" and event.state == WorkerState.ERROR:
+            self.write_log(f"{worker.name} crashed: {worker.error!r}", "error")
+            self.bell()
+
+    def action_pause(self) -> None:
         if (name := self._selected()) is not None:
-            await self.send(Pause(name))
+            self.dispatch(Pause(name))
 
-    async def action_pause_all(self) -> None:
-        await self.send(Pause())
+    def action_pause_all(self) -> None:
+        self.dispatch(Pause())
 
-    async def action_resume(self) -> None:
+    def action_resume(self) -> None:
         if (name := self._selected()) is not None:
-            await self.send(Resume(name))
+            self.dispatch(Resume(name))
 
-    async def action_resume_all(self) -> None:
-        await self.send(Resume())
+    def action_resume_all(self) -> None:
+        self.dispatch(Resume())
 
     def action_budget(self) -> None:
         name = self._selected()
@@ -155,9 +169,9 @@ class EagleOpsApp(App[int]):
             return
         current = self.state.datasets[name].budget
 
-        async def apply(tokens: int | None) -> None:
+        def apply(tokens: int | None) -> None:
             if tokens is not None:
-                await self.send(SetBudget(name, tokens))
+                self.dispatch(SetBudget(name, tokens))
 
         self.push_screen(BudgetScreen(name, current), apply)
 
@@ -166,36 +180,42 @@ class EagleOpsApp(App[int]):
         if name is None:
             return
 
-        async def confirmed(yes: bool | None) -> None:
+        def confirmed(yes: bool | None) -> None:
             if yes:
-                await self.send(Kill(name))
+                self.dispatch(Kill(name))
 
         self.push_screen(ConfirmScreen(f"Kill {name}? In-flight requests are cancelled; finished work is kept."), confirmed)
 
     def action_kill_all(self) -> None:
-        async def confirmed(yes: bool | None) -> None:
+        def confirmed(yes: bool | None) -> None:
             if yes:
-                await self.send(Kill())
+                self.dispatch(Kill())
 
         self.push_screen(ConfirmScreen("Kill the whole run? In-flight requests are cancelled; finished work is kept."), confirmed)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
-    async def action_quit_console(self) -> None:
+    def action_quit_console(self) -> None:
         if self.link.attached or self.engine_finished:
-            await self._leave()
+            self.leave()
             return
         running = any(not d.state.terminal for d in self.state.datasets.values())
         if not running:
-            await self._leave()
+            self.leave()
             return
 
-        async def confirmed(yes: bool | None) -> None:
+        def confirmed(yes: bool | None) -> None:
             if yes:
-                await self._leave()
+                self.leave()
 
         self.push_screen(ConfirmScreen("Quit and stop the run? Finished work is kept; run again to resume."), confirmed)
+
+    def leave(self) -> None:
+        """Stop the link from a worker: stopping waits on the engine, and the keys must not wait with it."""
+        if not self._leaving:  # a second q while the first is stopping would stop the link twice
+            self._leaving = True
+            self.run_worker(self._leave(), name="leave", group="leave")
 
     async def _leave(self) -> None:
         if self.link.attached:

@@ -8,9 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.config import ConfigError, load_run, parse_tokens
+from pipeline.config import load_run, parse_tokens
+from pipeline.errors import EagleOpsError
 from pipeline.protocol.control import ControlClient, ControlError, find_sockets, runtime_dir
-from pipeline.engine import EngineError
 from pipeline.protocol.events import DatasetProgress, Kill, Pause, Resume, SetBudget
 from pipeline.protocol.report import format_event, json_line, status_line
 
@@ -60,7 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show a running engine's datasets")
     status.add_argument("--json", action="store_true")
     add_socket(status)
-    for name, what in (("pause", "stop issuing requests (in-flight finish)"), ("resume", "resume issuing"), ("kill", "cancel in-flight requests and stop")):
+    for name, what in (
+        ("pause", "stop issuing requests (in-flight finish)"),
+        ("resume", "resume issuing"),
+        ("kill", "cancel in-flight requests and stop"),
+    ):
         p = sub.add_parser(name, help=f"{what}; one dataset or all")
         p.add_argument("dataset", nargs="?")
         add_socket(p)
@@ -183,10 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return asyncio.run(attach_console(_socket(args.socket), theme=args.theme, refresh_s=args.refresh))
         return asyncio.run(_remote(args))
-    except ConfigError as exc:
-        return _die(str(exc), EXIT_USAGE)
-    except (EngineError, ControlError) as exc:
-        return _die(str(exc))
+    except EagleOpsError as exc:
+        return _die(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         return 130
 

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.protocol.control import ControlClient
 from pipeline.engine import Engine, RunSummary
+from pipeline.protocol.control import ControlClient
 from pipeline.protocol.events import Ack, Command, Event
 
 __all__ = ["EngineLink", "LocalLink", "SocketLink"]

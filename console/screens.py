@@ -10,6 +10,8 @@ from textual.widgets import Input, Label, Static
 
 from pipeline.config import format_tokens, parse_tokens
 
+from .keymap import help_markup
+
 __all__ = ["BudgetScreen", "ConfirmScreen", "HelpScreen"]
 
 
@@ -60,21 +62,13 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(yes)
 
 
-HELP = """\
+# 66: the inner width of #dialog in themes/base.tcss (72, less its border and padding)
+HELP = f"""\
 [b]eagleops console[/b]
 
-  [b]↑ ↓[/b]   select a dataset
-  [b]p[/b]     pause the selected dataset (in-flight requests finish)
-  [b]P[/b]     pause every dataset
-  [b]r[/b]     resume the selected dataset (a killed one restarts)
-  [b]R[/b]     resume every dataset
-  [b]b[/b]     set the selected dataset's token budget, live
-  [b]k[/b]     kill the selected dataset (asks first)
-  [b]K[/b]     kill the whole run (asks first)
-  [b]q[/b]     quit; attached, the run goes on; local, the run stops (resumable)
-  [b]?[/b]     this help
+{help_markup(width=66)}
 
-Budgets take 10M, 500k or 120000. Every command is acknowledged in the log.
+The log acknowledges every command, or says why it failed.
 """
 
 

@@ -11,11 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.text import Text
 
 from console.app import EagleOpsApp
+from console.keymap import KEYMAP, help_rows, markdown_table
 from console.link import LocalLink, SocketLink
 from console.panes import DatasetsTable, GpuPane
+from console.screens import HELP, HelpScreen
 from pipeline.engine import Engine
+from pipeline.engine.telemetry import NvmlReader, parse_prometheus, server_metrics
 from pipeline.protocol.events import (
     Ack,
     DatasetProgress,
@@ -32,7 +36,6 @@ from pipeline.protocol.events import (
     StageState,
     StageStatus,
 )
-from pipeline.engine.telemetry import NvmlReader, parse_prometheus, server_metrics
 
 from .conftest import make_config, write_jsonl
 
@@ -51,8 +54,22 @@ def _utc(monkeypatch):
 
 def _datasets() -> list[DatasetProgress]:
     return [
-        DatasetProgress("B1", DatasetState.DONE, 10_020_000, 10_000_000, 18_211, req_per_s=0.0, tok_per_s=0.0, reason="budget reached", at=AT),
-        DatasetProgress("B2", DatasetState.RUNNING, 4_120_000, 12_000_000, 7_530, in_flight=64, req_per_s=11.2, tok_per_s=6150.0, eta_s=1281.0, failures=3, at=AT),
+        DatasetProgress(
+            "B1", DatasetState.DONE, 10_020_000, 10_000_000, 18_211, req_per_s=0.0, tok_per_s=0.0, reason="budget reached", at=AT
+        ),
+        DatasetProgress(
+            "B2",
+            DatasetState.RUNNING,
+            4_120_000,
+            12_000_000,
+            7_530,
+            in_flight=64,
+            req_per_s=11.2,
+            tok_per_s=6150.0,
+            eta_s=1281.0,
+            failures=3,
+            at=AT,
+        ),
         DatasetProgress("B3", DatasetState.PAUSED, 250_000, 8_000_000, 480, at=AT),
         DatasetProgress("B4", DatasetState.QUEUED, 0, 5_000_000, 0, at=AT),
     ]
@@ -67,7 +84,8 @@ def fixed_events(gpu: GpuStats | None = None) -> list:
         *_datasets(),
         *[EndpointStats(url, 64, 25_000, 4, 11.2, v, 1.84, 3.9, at=AT) for v in (5200.0, 5900.0, 6400.0, 6150.0, 6020.0, 6300.0)],
         ServerMetrics(url, software="sglang", running=64, waiting=12, kv_usage=0.71, gen_tok_per_s=6210.0, at=AT),
-        gpu or GpuStats(((0, "NVIDIA H200", 87.0, 120 * gib, 141 * gib, 64.0, 610.0), (1, "NVIDIA H200", None, None, None, None, None)), at=AT),
+        gpu
+        or GpuStats(((0, "NVIDIA H200", 87.0, 120 * gib, 141 * gib, 64.0, 610.0), (1, "NVIDIA H200", None, None, None, None, None)), at=AT),
         HostStats(12.5, 40 * gib, 256 * gib, at=AT),
         LogEvent("info", "control socket: /tmp/eagleops-0/run.sock", at=AT),
         LogEvent("error", "sharegpt.jsonl:412: conversations[0].role: unknown role 'robot'", "B2", at=AT),
@@ -108,6 +126,24 @@ class ScriptedLink:
         self.queue.put_nowait(None)
 
 
+class SilentLink(ScriptedLink):
+    """An engine that takes commands and never answers them."""
+
+    def __init__(self, events: list):
+        super().__init__(events)
+        self.never = asyncio.Event()
+        self.unanswered = 0
+
+    async def send(self, command) -> Ack:
+        self.sent.append(command)
+        self.unanswered += 1
+        try:
+            await self.never.wait()
+        finally:
+            self.unanswered -= 1
+        raise AssertionError("the silent engine answered")
+
+
 async def _settle(pilot) -> None:
     await pilot.pause(0.05)
     pilot.app.refresh_panes()
@@ -116,6 +152,14 @@ async def _settle(pilot) -> None:
 
 def _log_lines(app) -> list[str]:
     return [str(line) for line in app.query_one("#log").lines]
+
+
+async def _until(pilot, condition, tries: int = 200) -> None:
+    """Let the app run until condition() holds; bounded in steps, not in seconds."""
+    for _ in range(tries):
+        if condition():
+            return
+        await pilot.pause(0.05)
 
 
 async def test_keys_send_commands_and_panes_show_the_result():
@@ -132,6 +176,7 @@ async def test_keys_send_commands_and_panes_show_the_result():
         assert table.cell("B2", "state") == "paused"
         assert any("command pause B2: ok" in line for line in _log_lines(app))
         await pilot.press("P", "r", "R")
+        await pilot.pause()  # commands go out from workers
         assert link.sent[-3:] == [Pause(None), Resume("B2"), Resume(None)]
         await pilot.press("k")
         await pilot.pause()
@@ -185,6 +230,64 @@ async def test_help_screen_and_refused_commands_are_shown():
         assert any("refused: no dataset named 'nope'" in line for line in _log_lines(app))
 
 
+async def test_a_silent_engine_times_out_and_the_keys_stay_responsive():
+    link = SilentLink(fixed_events())
+    # short enough for a quick test, long enough that the keys below land before it on a busy machine
+    app = EagleOpsApp(link, command_timeout_s=1.0)
+    bells: list[int] = []
+    app.bell = lambda: bells.append(1)
+    async with app.run_test(size=(160, 45)) as pilot:
+        await _settle(pilot)
+        table = app.query_one(DatasetsTable)
+        await pilot.press("p")
+        await pilot.pause()
+        assert link.sent == [Pause("B1")] and link.unanswered == 1
+        await pilot.press("down")
+        assert table.cursor == 1
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        assert link.unanswered == 1  # the keys above were handled while the command was still waiting
+        await pilot.press("escape")
+        await _until(pilot, lambda: link.unanswered == 0)
+        await pilot.pause()
+        assert link.unanswered == 0, "the command never timed out"
+        assert "command pause B1: no answer from the engine in 1s" in _log_lines(app)
+        assert bells
+
+
+async def test_failing_commands_are_shown_as_errors():
+    class BrokenLink(ScriptedLink):
+        async def send(self, command) -> Ack:
+            if isinstance(command, Pause):
+                raise ConnectionError("socket closed")
+            raise ValueError("a bug in the link")
+
+    app = EagleOpsApp(BrokenLink(fixed_events()))
+    async with app.run_test(size=(160, 45)) as pilot:
+        await _settle(pilot)
+        await pilot.press("p", "R")
+        await _until(pilot, lambda: sum(" failed: " in line or " crashed: " in line for line in _log_lines(app)) == 2)
+        assert "command pause B1 failed: socket closed" in _log_lines(app)
+        assert any(line.startswith("command resume * crashed: ValueError") for line in _log_lines(app))
+        assert app.is_running  # neither took the console down
+
+
+def test_help_and_bindings_come_from_the_keymap():
+    bound = {(b.key, b.action) for b in [*EagleOpsApp.BINDINGS, *DatasetsTable.BINDINGS]}
+    assert bound == {(k.key, k.action) for k in KEYMAP}
+    shown = " ".join(Text.from_markup(HELP).plain.split())  # a wrapped line reads as one
+    for keys, does in help_rows():
+        assert " ".join([*keys, does]) in shown
+
+
+def test_readme_key_table_is_the_keymap():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## The console\n", 1)[1].split("\n## ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    assert table == markdown_table()
+
+
 async def test_no_gpu_is_a_state_not_a_crash():
     link = ScriptedLink(fixed_events(gpu=GpuStats((), error="no NVIDIA GPU (NVMLError_LibraryNotFound)", at=AT)))
     app = EagleOpsApp(link)
@@ -233,7 +336,9 @@ def test_nvml_fields_that_fail_read_as_na():
 
 
 def test_prometheus_metrics_of_sglang_and_vllm():
-    sglang = parse_prometheus('# HELP x\nsglang:gen_throughput{model="m"} 1234.5\nsglang:num_running_reqs{a="1"} 3\nsglang:num_running_reqs{a="2"} 4\nsglang:token_usage 0.5\n')
+    sglang = parse_prometheus(
+        '# HELP x\nsglang:gen_throughput{model="m"} 1234.5\nsglang:num_running_reqs{a="1"} 3\nsglang:num_running_reqs{a="2"} 4\nsglang:token_usage 0.5\n'
+    )
     metrics, _ = server_metrics("u", sglang, None, 0.0)
     assert (metrics.software, metrics.gen_tok_per_s, metrics.running, metrics.kv_usage) == ("sglang", 1234.5, 7.0, 0.5)
     first, previous = server_metrics("u", parse_prometheus("vllm:generation_tokens_total 1000\nvllm:num_requests_running 2\n"), None, 10.0)
@@ -307,7 +412,9 @@ def _wait_for_socket(timeout: float = 30) -> Path:
 
 async def test_two_attached_consoles_see_the_same_headless_run(tmp_path, fault_server):
     run = _run_file(tmp_path, fault_server.base_url)
-    engine = subprocess.Popen([sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         path = await asyncio.to_thread(_wait_for_socket)
         first, second = EagleOpsApp(SocketLink(path), refresh_s=0.1), EagleOpsApp(SocketLink(path), refresh_s=0.1)

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from textual.events import Click
 from rich.style import Style
 from rich.text import Text
-from textual.binding import Binding
+from textual.events import Click
 from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
 
 from pipeline.protocol.events import DatasetProgress
 from pipeline.protocol.report import dataset_cells
+
+from ..keymap import DATASET_KEYS, bindings
 
 __all__ = ["COLUMNS", "DatasetsTable"]
 
@@ -52,12 +53,7 @@ class DatasetsTable(Widget, can_focus=True):
     cell on any update; at 1 Hz with 8 datasets that was most of the console's CPU).
     """
 
-    BINDINGS = [
-        Binding("up", "cursor(-1)", "Up", show=False),
-        Binding("down", "cursor(1)", "Down", show=False),
-        Binding("home", "cursor(-1000)", show=False),
-        Binding("end", "cursor(1000)", show=False),
-    ]
+    BINDINGS = bindings(DATASET_KEYS)
     cursor = reactive(0)
 
     def __init__(self, **kwargs):
@@ -137,7 +133,10 @@ class DatasetsTable(Widget, can_focus=True):
         strip = self._strips.get(key)
         if strip is None:
             style = base + _CURSOR if selected else base
-            values = [Text(cells[k], style=_STATE_STYLE.get(cells[k], "") if k == "state" else ("green" if k == "bar" else "")) for k, _, _ in COLUMNS]
+            values = [
+                Text(cells[k], style=_STATE_STYLE.get(cells[k], "") if k == "state" else ("green" if k == "bar" else ""))
+                for k, _, _ in COLUMNS
+            ]
             strip = self._line(values, width, style)
             self._strips = {k: v for k, v in self._strips.items() if k[0] != name or k[1] != selected}
             self._strips[key] = strip

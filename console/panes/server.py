@@ -20,7 +20,9 @@ class ServerPane(TextPane):
             p50 = "-" if ep.latency_p50_s is None else f"{ep.latency_p50_s:.2f}s"
             p95 = "-" if ep.latency_p95_s is None else f"{ep.latency_p95_s:.2f}s"
             lines.append(url)
-            lines.append(f"  client: {format_rate(ep.tok_per_s)} tok/s  {format_rate(ep.req_per_s)} req/s  p50 {p50}  p95 {p95}  in flight {ep.in_flight}  errors {ep.errors}")
+            lines.append(
+                f"  client: {format_rate(ep.tok_per_s)} tok/s  {format_rate(ep.req_per_s)} req/s  p50 {p50}  p95 {p95}  in flight {ep.in_flight}  errors {ep.errors}"
+            )
             server = state.servers.get(url)
             if server is not None and server.software != "none":
                 parts = [f"  {server.software}:"]
