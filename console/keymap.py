@@ -43,7 +43,7 @@ APP_KEYS = (
     Key("b", "budget", "Budget", "set the selected dataset's token budget, live (10M, 500k, 120000)"),
     Key("k", "kill", "Kill", "kill the selected dataset (asks first)"),
     Key("K", "kill_all", "Kill run", "kill the whole run (asks first)", in_footer=False),
-    Key("question_mark", "help", "Help", "list the keys (this help)"),
+    Key("question_mark", "help", "Help", "the help screen: every key and what it does"),
     Key("q", "quit_console", "Quit", "quit: attached, the run goes on; local, the run stops (asks first; resumable)"),
 )
 
