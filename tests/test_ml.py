@@ -283,7 +283,12 @@ def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
     exported = json.loads((config.export_dir / "config.json").read_text())
     assert exported["architectures"] == ["LlamaForCausalLMEagle3"]
     assert exported["num_hidden_layers"] == 1 and exported["draft_vocab_size"] == 256
-    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    # the outputs of layers 1, 3, 4: SGLang counts outputs, vLLM counts inputs (each reads its own key)
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    speculators = json.loads((config.export_dir.with_name("drafter-speculators") / "config.json").read_text())
+    assert speculators["speculators_config"]["verifier"]["name_or_path"] == str(tiny_model)
+    assert speculators["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and "model_type" not in speculators
     with safe_open(str(config.export_dir / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("fc.weight").dtype == torch.bfloat16

@@ -23,6 +23,7 @@ __all__ = [
     "RetryConfig",
     "RunConfig",
     "SamplingConfig",
+    "ServeConfig",
     "TargetConfig",
     "TrainConfig",
     "load_run",
@@ -158,9 +159,31 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class EvalConfig:
-    """Offline acceptance length by speculative decoding."""
+class ServeConfig:
+    """A vLLM server eagleops starts and supervises for the target: an endpoint for generate, the
+    verifier for eval with `backend = "vllm"`."""
 
+    python: str = setting("", "python of a venv with vLLM installed; default `$EAGLEOPS_VLLM_PYTHON`")
+    model: Path | None = setting(None, "the model to serve; default `[target].model`")
+    served_model_name: str = setting("target", "the model id requests name")
+    tensor_parallel_size: int = setting(1, "GPUs a model replica is split over", check=at_least(1))
+    pipeline_parallel_size: int = setting(1, "pipeline stages (nodes, for a model too big for one)", check=at_least(1))
+    data_parallel_size: int = setting(1, "replicas", check=at_least(1))
+    max_model_len: int = setting(0, "context length (0: the model's)", check=at_least(0))
+    extra_args: tuple[str, ...] = setting((), "more `vllm` arguments, as given")
+    env: dict[str, Any] = setting({}, "environment for the server (e.g. `VLLM_CPU_KVCACHE_SPACE`)")
+    for_generate: bool = setting(True, "serve the target as an endpoint of the generate stage")
+    startup_timeout_s: float = setting(900.0, "how long it may take to load", check=Check(lambda v: v > 0, "must be positive"))
+    max_restarts: int = setting(3, "restarts after a crash, with backoff, before the stage fails", check=at_least(0))
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Acceptance length by speculative decoding: offline (`hf`), or served by vLLM."""
+
+    backend: str = setting(
+        "hf", "`hf`: our decoding on the transformers target; `vllm`: vLLM serves target and drafter ([serve])", check=one_of("hf", "vllm")
+    )
     prompts: int = setting(20, "held-out prompts to decode", check=at_least(1))
     max_new_tokens: int = setting(64, "tokens per prompt", check=at_least(1))
     draft_tokens: int = setting(4, "drafts per verify step", check=at_least(1))
@@ -171,7 +194,7 @@ class RunConfig:
     """Where outputs go, how many requests are in flight, what runs."""
 
     datasets: tuple[DatasetConfig, ...] = setting(doc="prompt sources (`[[datasets]]`)")
-    endpoints: tuple[EndpointConfig, ...] = setting(doc="servers (`[[endpoints]]`)")
+    endpoints: tuple[EndpointConfig, ...] = setting((), "servers (`[[endpoints]]`); none needed when [serve] serves generate")
     name: str = setting("run", "shown in the console; names the control socket")
     output_dir: Path = setting(Path("eagleops-out"), "outputs (relative to the run file)")
     concurrency: int = setting(64, "records in flight, all datasets together", check=at_least(1))
@@ -191,12 +214,17 @@ class RunConfig:
     extract: ExtractConfig = setting(ExtractConfig())
     train: TrainConfig = setting(TrainConfig())
     eval: EvalConfig = setting(EvalConfig())
+    serve: ServeConfig | None = setting(None)
     source: Path = setting(Path("<run>"), internal=True)
 
     @staticmethod
     def finish_table(config: RunConfig, table: Table) -> RunConfig:
-        if not config.endpoints:
-            raise table.fail("endpoints", "needs at least one [[endpoints]] entry")
+        if not config.endpoints and not (config.serve is not None and config.serve.for_generate):
+            raise table.fail("endpoints", "needs at least one [[endpoints]] entry (or a [serve] table to serve the target)")
+        if config.eval.backend == "vllm" and config.serve is None:
+            raise table.fail("eval", 'backend = "vllm" needs a [serve] table (where vLLM is, how to run it)')
+        if config.serve is not None and config.serve.model is None and config.target is None:
+            raise table.fail("serve", "model: name the model to serve (or give a [target] table)")
         if not config.datasets:
             raise table.fail("datasets", "needs at least one [[datasets]] entry")
         seen: set[str] = set()

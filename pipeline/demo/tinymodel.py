@@ -118,8 +118,8 @@ def build_tiny_model(
     vocab_size: int = 2048,
     hidden_size: int = 64,
     layers: int = 8,
-    heads: int = 4,
-    kv_heads: int = 2,
+    heads: int = 2,  # head_dim 32: the smallest vLLM's CPU attention backend takes
+    kv_heads: int = 1,
     intermediate_size: int = 176,
     max_positions: int = 2048,
     seed: int = 0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from typing import TYPE_CHECKING
 
 from pipeline.config import ALL_STAGES, format_tokens
@@ -127,4 +128,6 @@ class EngineCommands:
         for runner in self.runners.values():
             if runner.task is not None and not runner.task.done():
                 runner.task.cancel()
+        if self._served is not None:  # a vLLM still loading would hold the kill for minutes
+            threading.Thread(target=self._served.stop, name="stop-vllm", daemon=True).start()
         self._changed.set()

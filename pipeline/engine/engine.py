@@ -13,13 +13,13 @@ import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import IO
 
 import aiohttp
 
-from pipeline.config import ALL_STAGES, RunConfig, format_tokens
+from pipeline.config import ALL_STAGES, EndpointConfig, RunConfig, format_tokens
 from pipeline.engine.bus import EventBus, Subscription
 from pipeline.engine.commands import EngineCommands
 from pipeline.engine.datasets import DatasetRunner
@@ -30,6 +30,7 @@ from pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
 from pipeline.generate.store import DatasetStore, StoreError
 from pipeline.protocol.control import ControlError, ControlServer, socket_path_for
 from pipeline.protocol.events import DatasetProgress, DatasetState, EndpointStats, Event, LogEvent, StageState, StageStatus
+from pipeline.servers.supervisor import ServerFailed, SupervisedServer
 from pipeline.training.context import StageContext, StageKilled
 
 __all__ = ["STAGES", "Engine", "EngineError", "RunSummary"]
@@ -89,6 +90,7 @@ class Engine(EngineCommands):
         self._killed = False
         self._lock_file: IO[str] | None = None
         self._models = {ep.label: ep.model for ep in config.endpoints}
+        self._served: SupervisedServer | None = None  # vLLM serving the target, while it does
 
     # ---- events -------------------------------------------------------------------------------
     def subscribe(self) -> Subscription:
@@ -199,7 +201,7 @@ class Engine(EngineCommands):
                     self._telemetry[event.kind] = event
                     self.publish(event)
             if tick % 3 == 0:
-                for ep in self.config.endpoints:
+                for ep in [state.config for state in self.pool.endpoints]:
                     values = await scrape_metrics(session, ep.base_url)
                     if values is None:
                         continue
@@ -256,7 +258,7 @@ class Engine(EngineCommands):
             telemetry = asyncio.create_task(self._telemetry_loop(session), name="telemetry")
             try:
                 if "generate" in self.stages:
-                    await self._generate(session)
+                    await self._generate_with_served_target(session)
                 for name in self.stages:
                     if name == "generate":
                         continue
@@ -271,7 +273,7 @@ class Engine(EngineCommands):
         self.bus.close()
         if self._lock_file is not None:
             self._lock_file.close()
-            self._lock_file: IO[str] | None = None
+            self._lock_file = None
         return RunSummary([r.progress() for r in self.runners.values()], self._killed, {k: v.status for k, v in self.stage_states.items()})
 
     def _stage_failed(self) -> bool:
@@ -280,6 +282,47 @@ class Engine(EngineCommands):
     def _set_stage(self, name: str, status: StageStatus, detail: str = "") -> None:
         self.stage_states[name] = StageState(name, status, detail)
         self.publish(self.stage_states[name])
+
+    async def _generate_with_served_target(self, session: aiohttp.ClientSession) -> None:
+        try:
+            async with self._served_target():
+                await self._generate(session)
+        except ServerFailed as exc:
+            if self._killed:
+                self._set_stage("generate", StageStatus.KILLED)
+                return
+            self.log("error", self.redact(str(exc)))
+            self._set_stage("generate", StageStatus.FAILED, self.redact(str(exc))[:200])
+
+    @contextlib.asynccontextmanager
+    async def _served_target(self) -> AsyncIterator[None]:
+        """With [serve]: vLLM serves the target as one more endpoint while generate runs."""
+        serve = self.config.serve
+        if serve is None or not serve.for_generate:
+            yield
+            return
+        from pipeline.servers.vllm import launch_for, vllm_server
+
+        loop = asyncio.get_running_loop()
+        launch = launch_for(self.config)
+        log_path = self.config.output_dir / "servers" / "vllm-generate.log"
+        server = vllm_server(launch, log_path=log_path, log=lambda level, message: loop.call_soon_threadsafe(self.log, level, message),
+                             startup_timeout_s=serve.startup_timeout_s, max_restarts=serve.max_restarts)  # fmt: skip
+        self._served = server
+        self._set_stage("generate", StageStatus.RUNNING, "starting vLLM")
+        self.log(
+            "info",
+            f"vllm: starting {launch.model} (tp {launch.tensor_parallel_size}, pp {launch.pipeline_parallel_size}, dp {launch.data_parallel_size})",
+        )
+        try:
+            await asyncio.to_thread(server.start)
+            endpoint = EndpointConfig(base_url=f"{server.base_url}/v1", model=launch.served_name)
+            self.pool = EndpointPool((*self.config.endpoints, endpoint))
+            self._models[endpoint.label] = endpoint.model
+            yield
+        finally:
+            await asyncio.to_thread(server.stop)
+            self._served = None
 
     async def _generate(self, session: aiohttp.ClientSession) -> None:
         self.client = ChatClient(session, self.pool, self.config.sampling, self.config.retry, TokenCounter(self.config.tokenizer))

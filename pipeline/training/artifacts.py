@@ -211,6 +211,9 @@ class EvalResult:
     acceptance_length: float
     acceptance_rate_per_position: list[float]
     greedy_mismatches: int
+    backend: str = "hf"
+    tok_per_s: float | None = None  # served: generated tokens per second with the drafter
+    tok_per_s_without_drafter: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

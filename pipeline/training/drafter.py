@@ -37,6 +37,8 @@ __all__ = [
     "drafter_config_from_target",
     "eagle3_aux_layers",
     "load_exported",
+    "sglang_aux_layer_ids",
+    "vllm_aux_layer_ids",
 ]
 
 # what a server loads from an export: the target supplies the embeddings
@@ -54,11 +56,23 @@ def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return layers  # type: ignore[return-value]
 
 
+def sglang_aux_layer_ids(aux_layers: tuple[int, ...]) -> list[int]:
+    """SGLang's ids for the outputs of our (0-based) aux layers: the same numbers."""
+    return list(aux_layers)
+
+
+def vllm_aux_layer_ids(aux_layers: tuple[int, ...]) -> list[int]:
+    """vLLM's ids for the outputs of our aux layers: it names a layer's input, so each + 1."""
+    return [layer + 1 for layer in aux_layers]
+
+
 def drafter_config_from_target(target_config: Any, *, draft_vocab_size: int, aux_layers: tuple[int, ...]) -> Any:
     """A LlamaConfig for the drafter: the target's attention geometry, one layer, the draft vocab.
 
-    Saved as the export's config.json; SGLang/vLLM read ``eagle_config`` for the capture layers,
-    which count a layer's *input* (id j is the output of layer j - 1), hence the + 1.
+    Saved as the export's config.json. The two servers count the capture layers differently and
+    each reads its own key: SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` and
+    captures the *output* of layer j (it adds 1 itself); vLLM reads the top-level key first and
+    captures the *input* of layer j (the output of layer j - 1), so it gets ours + 1.
     """
     from transformers import LlamaConfig
 
@@ -85,7 +99,8 @@ def drafter_config_from_target(target_config: Any, *, draft_vocab_size: int, aux
     config.architectures = ["LlamaForCausalLMEagle3"]
     config.draft_vocab_size = draft_vocab_size
     config.target_hidden_size = text.hidden_size
-    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [layer + 1 for layer in aux_layers], "use_aux_hidden_state": True}
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": sglang_aux_layer_ids(aux_layers), "use_aux_hidden_state": True}
+    config.eagle_aux_hidden_state_layer_ids = vllm_aux_layer_ids(aux_layers)
     return config
 
 

@@ -92,12 +92,14 @@ def _result(drafter: str, prompts: int, steps: list[int], k: int, mismatches: in
     )
 
 
-def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False) -> EvalResult:
-    from transformers import AutoTokenizer
+def _prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
+
+def _evaluate_offline(config: RunConfig, ctx: StageContext, prompts: list[list[int]], eos: int | None, *, untrained: bool) -> EvalResult:
     target = require_target(config)
     model, device, _ = load_target(target)
-    tokenizer = AutoTokenizer.from_pretrained(str(target.tokenizer_path))
     aux_layers = tuple(FeaturesIndex.read(config.features_dir).aux_layers)
     if untrained:
         drafter = build_drafter(config, aux_layers, seed=config.train.seed + 1)
@@ -105,15 +107,11 @@ def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False) -
         _, embeddings = head_and_embeddings(target.model)
         drafter = load_exported(config.export_dir, embeddings)
     drafter = drafter.to(device).eval()
-    prompts = _held_out_prompts(config)
-    eos = tokenizer.eos_token_id
     k = config.eval.draft_tokens
     steps: list[int] = []
     mismatches = 0
-    for i, row in enumerate(prompts):
+    for i, prompt in enumerate(prompts):
         ctx.checkpoint()
-        encoded = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
-        prompt = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
         generated, accepted = speculative_generate(
             model, drafter, prompt, aux_layers=aux_layers, k=k, max_new_tokens=config.eval.max_new_tokens, eos=eos, device=device
         )
@@ -121,13 +119,28 @@ def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False) -
             mismatches += 1
         steps += accepted
         ctx.progress(i + 1, len(prompts), "prompts")
-    result = _result("untrained" if untrained else str(config.export_dir), len(prompts), steps, k, mismatches)
+    return _result("untrained" if untrained else str(config.export_dir), len(prompts), steps, k, mismatches)
+
+
+def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False, backend: str | None = None) -> EvalResult:
+    """Acceptance length on the held-out prompts, by ``backend`` (default: the run file's)."""
+    from transformers import AutoTokenizer
+
+    target = require_target(config)
+    tokenizer = AutoTokenizer.from_pretrained(str(target.tokenizer_path))
+    prompts = [_prompt_ids(tokenizer, row["messages"]) for row in _held_out_prompts(config)]
+    if (backend or config.eval.backend) == "vllm" and not untrained:
+        from pipeline.training.served_eval import evaluate_served
+
+        result = evaluate_served(config, ctx, prompts, config.export_dir)
+    else:
+        result = _evaluate_offline(config, ctx, prompts, tokenizer.eos_token_id, untrained=untrained)
     if not untrained:
         (config.output_dir / "eval.json").write_text(json.dumps(result.to_json(), indent=1))
     ctx.metrics(**result.to_json())
-    per_position = result.acceptance_rate_per_position
+    per_position, k = result.acceptance_rate_per_position, result.draft_tokens
     ctx.log(
         "info",
-        f"eval: acceptance length {result.acceptance_length:.2f} over {len(steps)} verify steps ({k} draft tokens); per position {per_position}",
+        f"eval ({result.backend}): acceptance length {result.acceptance_length:.2f} over {result.verify_steps} verify steps ({k} draft tokens); per position {per_position}",
     )
     return result

