@@ -136,3 +136,28 @@ def test_the_speculators_export_loads_alone(whole_run, tmp_path):
         assert complete_ids(server.base_url, "t", [1, 2, 332, 263, 3], 16)
         after = read_metrics(server.base_url)
     assert after["vllm:spec_decode_num_drafts_total"] > before.get("vllm:spec_decode_num_drafts_total", 0.0)
+
+
+def test_features_captured_through_vllm_equal_the_hf_backend(whole_run, tmp_path):
+    """The same prepared tokens, through vLLM's model (fp32 here, to compare like with like)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pipeline.training.extract import extract
+
+    config, _ = whole_run
+    shutil.copytree(config.prepared_dir, tmp_path / "out" / "prepared")
+    serve = {**SERVE, "extra_args": [*SERVE["extra_args"], "--dtype", "float32"]}
+    served = _config(tmp_path, config.target.model, serve=serve, extract={"backend": "vllm", "shard_samples": 64})
+    index = extract(served, StageContext("extract"))
+    reference = config.features_dir
+    assert sorted(index.shards) == sorted(p.name for p in reference.glob("shard-*.safetensors"))
+    worst = {"aux": 0.0, "final": 0.0}
+    for name in sorted(index.shards):
+        ours, theirs = load_file(str(reference / name)), load_file(str(served.features_dir / name))
+        assert torch.equal(ours["input_ids"], theirs["input_ids"]) and torch.equal(ours["offsets"], theirs["offsets"])
+        for key in worst:
+            torch.testing.assert_close(theirs[key].float(), ours[key].float(), rtol=2e-2, atol=2e-2)
+            worst[key] = max(worst[key], (theirs[key].float() - ours[key].float()).abs().max().item())
+    print(f"max abs diff vLLM vs HF features (both stored bf16): {worst}")
+    assert index.metrics is not None and index.metrics["backend"] == "vllm"

@@ -131,6 +131,11 @@ def _three_layers(layers: tuple[int, ...] | None) -> bool:
 class ExtractConfig:
     """The target's hidden states EAGLE-3 trains on."""
 
+    backend: str = setting(
+        "hf",
+        "`hf`: transformers on this machine; `vllm`: captured inside vLLM ([serve]), for targets no single device holds",
+        check=one_of("hf", "vllm"),
+    )
     aux_layers: tuple[int, ...] | None = setting(
         None,
         "three layer indices (low, mid, high); default `[1, N//2-1, N-4]`",
@@ -221,8 +226,9 @@ class RunConfig:
     def finish_table(config: RunConfig, table: Table) -> RunConfig:
         if not config.endpoints and not (config.serve is not None and config.serve.for_generate):
             raise table.fail("endpoints", "needs at least one [[endpoints]] entry (or a [serve] table to serve the target)")
-        if config.eval.backend == "vllm" and config.serve is None:
-            raise table.fail("eval", 'backend = "vllm" needs a [serve] table (where vLLM is, how to run it)')
+        for stage in ("extract", "eval"):
+            if getattr(config, stage).backend == "vllm" and config.serve is None:
+                raise table.fail(stage, 'backend = "vllm" needs a [serve] table (where vLLM is, how to run it)')
         if config.serve is not None and config.serve.model is None and config.target is None:
             raise table.fail("serve", "model: name the model to serve (or give a [target] table)")
         if not config.datasets:

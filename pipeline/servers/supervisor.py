@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,6 +38,9 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((LOOPBACK, 0))
         return int(probe.getsockname()[1])
+
+
+_WHERE = re.compile(r"\[[\w./-]+\.py:\d+\]")
 
 
 def _level(line: str) -> str | None:
@@ -74,6 +78,7 @@ class SupervisedServer:
         self._tail: collections.deque[str] = collections.deque(maxlen=20)
         self._watcher: threading.Thread | None = None
         self._pump_thread: threading.Thread | None = None
+        self._seen: dict[str, int] = {}
 
     @property
     def base_url(self) -> str:
@@ -119,8 +124,19 @@ class SupervisedServer:
                 file.flush()
                 line = raw.decode("utf-8", "replace").rstrip()
                 self._tail.append(line)
-                if (level := _level(line)) is not None:
+                if (level := _level(line)) is not None and self._first_few(line):
                     self._log(level, f"{self.name}: {line[-400:]}")
+
+    def _first_few(self, line: str, keep: int = 3) -> bool:
+        """Whether a line is among the first few from its source location (``[utils.py:333]``):
+        a server warns once per weight or per request, and the log must stay readable."""
+        where = _WHERE.search(line)
+        key = where.group(0) if where else line
+        seen = self._seen.get(key, 0) + 1
+        self._seen[key] = seen
+        if seen == keep + 1:
+            self._log("info", f"{self.name}: more lines from {key} are in {self.log_path.name} only")
+        return seen <= keep
 
     def _healthy(self) -> bool:
         try:

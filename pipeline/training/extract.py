@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
-from pipeline.errors import ConfigError
-from pipeline.training.artifacts import FeatureShard, FeaturesIndex, PreparedIndex, load_prepared
+from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext
-from pipeline.training.drafter import eagle3_aux_layers
-from pipeline.training.features import shard_name
+from pipeline.training.features import ExtractRates, extract_metrics, open_features_index, shard_name, write_feature_shard
 from pipeline.training.target import load_target, require_target
 
 __all__ = ["extract", "forward_features", "length_batches", "pad_batch"]
@@ -75,55 +71,6 @@ def forward_features(model, input_ids_list, aux_layers, device, dtype=None):
     return aux, final
 
 
-@dataclass
-class _Rates:
-    """Tokens computed in this run and the seconds spent in the forward pass itself."""
-
-    started: float
-    fresh_tokens: int = 0
-    compute_s: float = 0.0
-
-
-def _write_shard(
-    out: Path, name: str, chunk: list[Any], offsets: list[int], aux: Any, final: Any, first: int, index: FeaturesIndex
-) -> None:
-    import json
-    import os
-
-    import torch
-    from safetensors.torch import save_file
-
-    tensors = {
-        "input_ids": torch.cat([ids for ids, _ in chunk]).to(torch.int32),
-        "loss_mask": torch.cat([mask for _, mask in chunk]).to(torch.uint8),
-        "aux": aux,
-        "final": final,
-        "offsets": torch.tensor(offsets, dtype=torch.int64),
-    }
-    tmp = out / (name + ".tmp")
-    # one metadata key: safetensors writes its metadata map in hash order, and a shard must come
-    # out byte-identical when a killed extract redoes it
-    save_file(
-        tensors, str(tmp), metadata={"eagleops": json.dumps({"first_sample": first, "aux_layers": list(index.aux_layers)}, sort_keys=True)}
-    )
-    os.replace(tmp, out / name)
-    index.shards[name] = FeatureShard(first, len(chunk), offsets[-1], (out / name).stat().st_size)
-    index.write(out)
-
-
-def _open_index(config: RunConfig, prepared: PreparedIndex, model: Any) -> FeaturesIndex:
-    """The index to resume from; a fresh one when the prepared data or the layers changed."""
-    layers = model.config.num_hidden_layers
-    aux_layers = tuple(config.extract.aux_layers) if config.extract.aux_layers else eagle3_aux_layers(layers)
-    if max(aux_layers) >= layers:
-        raise ConfigError(f"{config.source}: extract.aux_layers {list(aux_layers)}: the target has only {layers} layers")
-    index = FeaturesIndex.read_if_present(config.features_dir)
-    if index is not None and index.prepared == prepared.fingerprint and tuple(index.aux_layers) == aux_layers:
-        return index
-    target = require_target(config)
-    return FeaturesIndex(prepared.fingerprint, list(aux_layers), model.config.hidden_size, layers, str(target.model))
-
-
 def _compute_shard(
     model: Any,
     device: Any,
@@ -132,7 +79,7 @@ def _compute_shard(
     config: RunConfig,
     ctx: StageContext,
     progress: tuple[int, int],
-    rates: _Rates,
+    rates: ExtractRates,
 ) -> tuple[list[int], Any, Any]:
     """(offsets, aux [T, 3H], final [T, H]) of one shard, filled in place batch by batch (no
     per-sample copies, no concatenation)."""
@@ -159,32 +106,19 @@ def _compute_shard(
     return offsets, aux_out, final_out
 
 
-def _metrics(index: FeaturesIndex, rates: _Rates, device: Any) -> dict[str, Any]:
-    import torch
-
-    tokens = index.tokens
-    elapsed = time.monotonic() - rates.started
-    metrics: dict[str, Any] = {
-        "tokens": tokens,
-        "tokens_per_s": round(rates.fresh_tokens / elapsed, 1) if rates.fresh_tokens and elapsed > 0 else None,
-        "forward_tokens_per_s": round(rates.fresh_tokens / rates.compute_s, 1) if rates.compute_s > 0 else None,
-        "bytes_per_token": round(index.stored_bytes / tokens, 1) if tokens else None,
-        "all_layers_bytes_per_token": (index.num_layers + 1) * index.hidden_size * 2 + 5,
-    }
-    if device.type == "cuda":
-        metrics["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
-    return metrics
-
-
 def extract(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
+    if config.extract.backend == "vllm":
+        from pipeline.training.served_extract import extract_served
+
+        return extract_served(config, ctx)
     target = require_target(config)
     prepared, samples = load_prepared(config.prepared_dir)
     out = config.features_dir
     out.mkdir(parents=True, exist_ok=True)
     model, device, _ = load_target(target)
-    index = _open_index(config, prepared, model)
+    index = open_features_index(config, prepared, model.config.num_hidden_layers, model.config.hidden_size)
     per = config.extract.shard_samples
-    rates = _Rates(time.monotonic())
+    rates = ExtractRates(time.monotonic())
     done_tokens = index.tokens
     # Shards are written by one background thread while the next one computes; at most one write
     # is in flight, and a shard enters the index only once renamed into place.
@@ -200,12 +134,12 @@ def extract(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
             offsets, aux, final = _compute_shard(model, device, chunk, index, config, ctx, (done_tokens, prepared.tokens), rates)
             if pending is not None:
                 pending.result()
-            pending = writer.submit(_write_shard, out, name, chunk, offsets, aux, final, first, index)
+            pending = writer.submit(write_feature_shard, out, name, chunk, offsets, aux, final, first, index)
         if pending is not None:
             pending.result()
     finally:
         writer.shutdown(wait=True)
-    index.metrics = _metrics(index, rates, device)
+    index.metrics = extract_metrics(index, rates, device)
     index.write(out)
     ctx.metrics(**index.metrics)
     ctx.progress(index.tokens, prepared.tokens, "tokens", force=True)

@@ -3,16 +3,87 @@ samples is first asked for, so training's step 1 does not wait for every file to
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.training.artifacts import FeaturesIndex
+from pipeline.config import RunConfig
+from pipeline.errors import ConfigError
+from pipeline.training.artifacts import FeatureShard, FeaturesIndex, PreparedIndex
+from pipeline.training.drafter import eagle3_aux_layers
+from pipeline.training.target import require_target
 
-__all__ = ["FeatureShards", "shard_name"]
+__all__ = ["ExtractRates", "FeatureShards", "extract_metrics", "open_features_index", "shard_name", "write_feature_shard"]
 
 
 def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
+
+
+def write_feature_shard(
+    out: Path, name: str, chunk: list[Any], offsets: list[int], aux: Any, final: Any, first: int, index: FeaturesIndex
+) -> None:
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {
+        "input_ids": torch.cat([ids for ids, _ in chunk]).to(torch.int32),
+        "loss_mask": torch.cat([mask for _, mask in chunk]).to(torch.uint8),
+        "aux": aux,
+        "final": final,
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+    }
+    tmp = out / (name + ".tmp")
+    # one metadata key: safetensors writes its metadata map in hash order, and a shard must come
+    # out byte-identical when a killed extract redoes it
+    save_file(
+        tensors, str(tmp), metadata={"eagleops": json.dumps({"first_sample": first, "aux_layers": list(index.aux_layers)}, sort_keys=True)}
+    )
+    os.replace(tmp, out / name)
+    index.shards[name] = FeatureShard(first, len(chunk), offsets[-1], (out / name).stat().st_size)
+    index.write(out)
+
+
+def open_features_index(config: RunConfig, prepared: PreparedIndex, layers: int, hidden_size: int) -> FeaturesIndex:
+    """The index to resume from; a fresh one when the prepared data or the layers changed."""
+    aux_layers = tuple(config.extract.aux_layers) if config.extract.aux_layers else eagle3_aux_layers(layers)
+    if max(aux_layers) >= layers:
+        raise ConfigError(f"{config.source}: extract.aux_layers {list(aux_layers)}: the target has only {layers} layers")
+    index = FeaturesIndex.read_if_present(config.features_dir)
+    if index is not None and index.prepared == prepared.fingerprint and tuple(index.aux_layers) == aux_layers:
+        return index
+    target = require_target(config)
+    return FeaturesIndex(prepared.fingerprint, list(aux_layers), hidden_size, layers, str(target.model))
+
+
+@dataclass
+class ExtractRates:
+    """Tokens computed in this run and the seconds spent in the forward pass itself."""
+
+    started: float
+    fresh_tokens: int = 0
+    compute_s: float = 0.0
+
+
+def extract_metrics(index: FeaturesIndex, rates: ExtractRates, device: Any) -> dict[str, Any]:
+    import torch
+
+    tokens = index.tokens
+    elapsed = time.monotonic() - rates.started
+    metrics: dict[str, Any] = {
+        "tokens": tokens,
+        "tokens_per_s": round(rates.fresh_tokens / elapsed, 1) if rates.fresh_tokens and elapsed > 0 else None,
+        "forward_tokens_per_s": round(rates.fresh_tokens / rates.compute_s, 1) if rates.compute_s > 0 else None,
+        "bytes_per_token": round(index.stored_bytes / tokens, 1) if tokens else None,
+        "all_layers_bytes_per_token": (index.num_layers + 1) * index.hidden_size * 2 + 5,
+    }
+    if device.type == "cuda":
+        metrics["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return metrics
 
 
 class FeatureShards:

@@ -1,0 +1,97 @@
+"""A vLLM worker extension that captures hidden states for eagleops' extract stage.
+
+It runs inside vLLM's workers (``--worker-extension-cls eagleops_vllm_capture.HiddenStateCapture``),
+so it imports nothing of eagleops: the file is copied beside vLLM's log and put on its path.
+Its methods are called through ``POST /collective_rpc`` (vLLM's dev-mode endpoint) on every
+worker: ``start`` hooks the decoder layers this rank holds (tensor parallel ranks hold all of
+them, pipeline parallel ranks some) and the final norm; every forward then appends, per hooked
+layer, the residual stream after that layer (what HF calls ``hidden_states[L + 1]``) and the
+final normed hidden state; ``dump`` writes what was captured to a safetensors file per rank and
+clears it. Prompts are sent one at a time with prefix caching off, so the captured rows are the
+prompts' tokens, in order.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FINAL = "final"
+
+
+class HiddenStateCapture:
+    """Mixed into vLLM's worker class; ``self`` is the worker."""
+
+    def eagleops_capture_start(self, layers_json: str) -> str:
+        self.eagleops_capture_stop()
+        model: Any = self.get_model()  # type: ignore[attr-defined]
+        inner = model.model
+        captured: dict[str, list[torch.Tensor]] = {}
+        hooks = []
+        for layer in json.loads(layers_json):
+            module = inner.layers[layer]
+            if type(module).__name__ == "PPMissingLayer":  # held by another pipeline stage
+                continue
+            captured[str(layer)] = []
+            hooks.append(module.register_forward_hook(_keep_residual_stream(captured[str(layer)])))
+        if type(inner.norm).__name__ != "PPMissingLayer":
+            captured[FINAL] = []
+            hooks.append(inner.norm.register_forward_hook(_keep_first(captured[FINAL])))
+        self._eagleops = (captured, hooks)
+        return json.dumps(sorted(captured))
+
+    def eagleops_capture_dump(self, path: str) -> str:
+        from safetensors.torch import save_file
+
+        captured, _ = getattr(self, "_eagleops", ({}, []))
+        tensors = {name: torch.cat(rows).contiguous() for name, rows in captured.items() if rows}
+        for rows in captured.values():
+            rows.clear()
+        rank = int(getattr(self, "rank", 0))
+        if tensors:
+            save_file(tensors, f"{path}.rank{rank}.safetensors")
+        return json.dumps({name: list(t.shape) for name, t in tensors.items()})
+
+    def eagleops_capture_stop(self) -> str:
+        _, hooks = getattr(self, "_eagleops", ({}, []))
+        for hook in hooks:
+            hook.remove()
+        self._eagleops: tuple[dict[str, list[torch.Tensor]], list[Any]] = ({}, [])
+        return "stopped"
+
+
+def _keep_residual_stream(rows: list[torch.Tensor]) -> Any:
+    def hook(module: Any, inputs: Any, output: Any) -> None:
+        # a vLLM decoder layer returns (hidden, residual); the next layer's fused add-norm
+        # updates both in place, so the sum is taken now
+        if isinstance(output, tuple):
+            hidden, residual = output[0], output[1]
+            value = hidden if residual is None else hidden + residual
+        else:
+            value = output
+        rows.append(value.detach().to("cpu", torch.bfloat16))
+
+    return hook
+
+
+def _keep_first(rows: list[torch.Tensor]) -> Any:
+    def hook(module: Any, inputs: Any, output: Any) -> None:
+        value = output[0] if isinstance(output, tuple) else output
+        rows.append(value.detach().to("cpu", torch.bfloat16))
+
+    return hook
+
+
+def read_dump(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every rank's dump of ``path``, merged (pipeline stages hold different layers)."""
+    from safetensors.torch import load_file
+
+    merged: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).parent.glob(Path(path).name + ".rank*.safetensors")):
+        for name, tensor in load_file(str(file)).items():
+            merged.setdefault(name, tensor)
+        file.unlink()
+    return merged
