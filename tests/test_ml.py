@@ -185,6 +185,19 @@ def test_extracted_states_equal_a_direct_forward(workdir, tiny_model):
     assert metrics["bytes_per_token"] < metrics["all_layers_bytes_per_token"]
 
 
+@pytest.mark.slow
+def test_device_map_spreads_the_target_and_computes_the_same(tiny_model):
+    from pipeline.config import TargetConfig
+    from pipeline.training.extract import forward_features
+    from pipeline.training.target import load_target
+
+    rows = [torch.tensor([1, 5, 9, 33, 7]), torch.tensor([1, 8, 2])]
+    plain, device, _ = load_target(TargetConfig(model=tiny_model))
+    spread, spread_device, _ = load_target(TargetConfig(model=tiny_model, device_map="auto"))
+    for ours, theirs in zip(forward_features(plain, rows, (1, 3, 4), device), forward_features(spread, rows, (1, 3, 4), spread_device)):
+        torch.testing.assert_close(ours, theirs)
+
+
 class _KillAfter(StageContext):
     """Kills the stage at its n-th checkpoint, as `eagleops kill extract` would."""
 

@@ -104,6 +104,9 @@ class TargetConfig:
         "auto", "`auto`: bf16 where the device supports it, else fp32", check=one_of("auto", "bfloat16", "float16", "float32")
     )
     device: str = setting("auto", "`auto`: cuda if available, else cpu")
+    device_map: str = setting(
+        "", "`auto`: spread the target over this node's GPUs (transformers + accelerate); for more, see `[extract] backend`"
+    )
 
     @property
     def tokenizer_path(self) -> Path:

@@ -41,8 +41,14 @@ def load_target(target: TargetConfig) -> tuple[Any, Any, Any]:
 
     hf_logging.disable_progress_bar()
     device, dtype = pick_device(target)
-    model = AutoModelForCausalLM.from_pretrained(str(target.model), dtype=dtype)
-    model.to(device).eval()
+    if target.device_map:
+        # accelerate places the layers; inputs go where the embeddings are
+        model = AutoModelForCausalLM.from_pretrained(str(target.model), dtype=dtype, device_map=target.device_map)
+        device = model.get_input_embeddings().weight.device
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(target.model), dtype=dtype)
+        model.to(device)
+    model.eval()
     model.requires_grad_(False)
     return model, device, dtype
 
