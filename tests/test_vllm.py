@@ -16,7 +16,8 @@ from pipeline.demo.demo import write_demo_datasets
 from pipeline.engine import Engine
 from pipeline.protocol.events import StageStatus
 from pipeline.servers.vllm import PYTHON_ENV, launch_for, read_metrics, vllm_server
-from pipeline.training.context import StageContext
+from pipeline.training.artifacts import FeaturesIndex
+from pipeline.training.context import StageContext, StageKilled
 
 from .conftest import read_jsonl
 
@@ -38,6 +39,20 @@ SERVE = {
     "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
     "startup_timeout_s": 600,
 }
+
+
+class _KillAt(StageContext):
+    """Kills the stage at its n-th checkpoint, as `eagleops kill extract` would."""
+
+    def __init__(self, stage: str, n: int):
+        super().__init__(stage)
+        self.left = n
+
+    def checkpoint(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.kill()
+        super().checkpoint()
 
 
 def _config(folder: Path, model: Path, **sections):
@@ -99,15 +114,20 @@ def test_generate_token_totals_equal_vllm_counters(whole_run, tmp_path):
 
 
 def test_served_acceptance_equals_the_offline_eval(whole_run):
+    """vLLM in fp32 (as the offline eval computes), greedy: the same tokens, the same acceptance."""
     from pipeline.training.evaluate import evaluate
 
     config, engine = whole_run
     offline = engine.stage_results["eval"]
-    served = evaluate(config, StageContext("eval"), backend="vllm")
+    fp32 = _config(
+        config.output_dir.parent, config.target.model, serve={**SERVE, "extra_args": [*SERVE["extra_args"], "--dtype", "float32"]}
+    )
+    served = evaluate(fp32, StageContext("eval"), backend="vllm")
     print(json.dumps({"offline": offline.to_json(), "served": served.to_json()}, indent=1))
     assert served.greedy_mismatches == 0  # speculative outputs equal plain vLLM's
     assert served.verify_steps > 0 and served.tok_per_s and served.tok_per_s_without_drafter
-    assert served.acceptance_length == pytest.approx(offline.acceptance_length, abs=0.05)
+    assert (served.verify_steps, served.acceptance_length) == (offline.verify_steps, offline.acceptance_length)
+    assert served.acceptance_rate_per_position == offline.acceptance_rate_per_position
 
 
 def test_the_speculators_export_loads_alone(whole_run, tmp_path):
@@ -149,7 +169,10 @@ def test_features_captured_through_vllm_equal_the_hf_backend(whole_run, tmp_path
     shutil.copytree(config.prepared_dir, tmp_path / "out" / "prepared")
     serve = {**SERVE, "extra_args": [*SERVE["extra_args"], "--dtype", "float32"]}
     served = _config(tmp_path, config.target.model, serve=serve, extract={"backend": "vllm", "shard_samples": 64})
-    index = extract(served, StageContext("extract"))
+    with pytest.raises(StageKilled):  # killed during its second shard: vLLM stopped, one shard kept
+        extract(served, _KillAt("extract", 70))  # 1 + 64 checkpoints per 64-sample shard
+    assert len(FeaturesIndex.read(served.features_dir).shards) == 1
+    index = extract(served, StageContext("extract"))  # resumes at the second shard
     reference = config.features_dir
     assert sorted(index.shards) == sorted(p.name for p in reference.glob("shard-*.safetensors"))
     worst = {"aux": 0.0, "final": 0.0}

@@ -70,11 +70,14 @@ def _capture_server(config: RunConfig, ctx: StageContext) -> Any:
     return launch, vllm_server(launch, log_path=log_path, log=ctx.log, startup_timeout_s=serve.startup_timeout_s, max_restarts=0)
 
 
-def _capture_shard(base_url: str, model: str, chunk: list[Any], index: FeaturesIndex, dump: Path) -> tuple[list[int], Any, Any]:
+def _capture_shard(
+    base_url: str, model: str, chunk: list[Any], index: FeaturesIndex, dump: Path, ctx: StageContext
+) -> tuple[list[int], Any, Any]:
     import torch
 
     offsets = [0]
     for ids, _ in chunk:
+        ctx.checkpoint()  # a kill here loses only this shard's captures (the server goes with it)
         complete_ids(base_url, model, ids.tolist(), 1)
         offsets.append(offsets[-1] + len(ids))
     _rpc(base_url, "eagleops_capture_dump", str(dump))
@@ -109,7 +112,7 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
             ctx.checkpoint()
             chunk = samples[first : first + per]
             t0 = time.perf_counter()
-            offsets, aux, final = _capture_shard(server.base_url, launch.served_name, chunk, index, out / f"{name}.capture")
+            offsets, aux, final = _capture_shard(server.base_url, launch.served_name, chunk, index, out / f"{name}.capture", ctx)
             rates.compute_s += time.perf_counter() - t0
             rates.fresh_tokens += offsets[-1]
             write_feature_shard(out, name, chunk, offsets, aux, final, first, index)
