@@ -187,10 +187,12 @@ class ServeConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Acceptance length by speculative decoding: offline (`hf`), or served by vLLM."""
+    """Acceptance length by speculative decoding: offline (`hf`), or served by vLLM or SGLang."""
 
     backend: str = setting(
-        "hf", "`hf`: our decoding on the transformers target; `vllm`: vLLM serves target and drafter ([serve])", check=one_of("hf", "vllm")
+        "hf",
+        "`hf`: our decoding on the transformers target; `vllm` / `sglang`: that server runs target and drafter ([serve])",
+        check=one_of("hf", "vllm", "sglang"),
     )
     prompts: int = setting(20, "held-out prompts to decode", check=at_least(1))
     max_new_tokens: int = setting(64, "tokens per prompt", check=at_least(1))
@@ -230,8 +232,8 @@ class RunConfig:
         if not config.endpoints and not (config.serve is not None and config.serve.for_generate):
             raise table.fail("endpoints", "needs at least one [[endpoints]] entry (or a [serve] table to serve the target)")
         for stage in ("extract", "eval"):
-            if getattr(config, stage).backend == "vllm" and config.serve is None:
-                raise table.fail(stage, 'backend = "vllm" needs a [serve] table (where vLLM is, how to run it)')
+            if getattr(config, stage).backend != "hf" and config.serve is None:
+                raise table.fail(stage, f'backend = "{getattr(config, stage).backend}" needs a [serve] table (how to run the server)')
         if config.serve is not None and config.serve.model is None and config.target is None:
             raise table.fail("serve", "model: name the model to serve (or give a [target] table)")
         if not config.datasets:

@@ -129,10 +129,12 @@ def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False, b
     target = require_target(config)
     tokenizer = AutoTokenizer.from_pretrained(str(target.tokenizer_path))
     prompts = [_prompt_ids(tokenizer, row["messages"]) for row in _held_out_prompts(config)]
-    if (backend or config.eval.backend) == "vllm" and not untrained:
-        from pipeline.training.served_eval import evaluate_served
+    chosen = backend or config.eval.backend
+    if chosen in ("vllm", "sglang") and not untrained:
+        from pipeline.training.served_eval import evaluate_served, evaluate_sglang
 
-        result = evaluate_served(config, ctx, prompts, config.export_dir)
+        serve = evaluate_served if chosen == "vllm" else evaluate_sglang
+        result = serve(config, ctx, prompts, config.export_dir)
     else:
         result = _evaluate_offline(config, ctx, prompts, tokenizer.eos_token_id, untrained=untrained)
     if not untrained:

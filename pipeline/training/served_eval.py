@@ -1,4 +1,4 @@
-"""eval with ``backend = "vllm"``: vLLM serves the target with our exported drafter, as it would in
+"""eval with ``backend = "vllm"`` (or ``"sglang"``): vLLM serves the target with our exported drafter, as it would in
 production, and the acceptance comes from its own spec-decode counters.
 
 The held-out prompts are sent as token ids (rendered by the target's chat template, never
@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
+from pipeline.servers.sglang import SglangLaunch, generate_ids, sglang_python
+from pipeline.servers.supervisor import SupervisedServer
 from pipeline.servers.vllm import complete_ids, launch_for, read_metrics, vllm_server
 from pipeline.training.artifacts import EvalResult
 from pipeline.training.context import StageContext
 
-__all__ = ["evaluate_served"]
+__all__ = ["evaluate_served", "evaluate_sglang"]
 
 _DRAFTS = "vllm:spec_decode_num_drafts_total"
 _ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -68,6 +70,60 @@ def evaluate_served(config: RunConfig, ctx: StageContext, prompts: list[list[int
         acceptance_rate_per_position=[round(reached[j + 1] / reached[j], 4) if reached[j] else 0.0 for j in range(k)],
         greedy_mismatches=sum(a != b for a, b in zip(speculative, plain)),
         backend="vllm",
+        tok_per_s=round(spec_tps, 2),
+        tok_per_s_without_drafter=round(plain_tps, 2),
+    )
+
+
+def _sglang_decode(
+    config: RunConfig, ctx: StageContext, prompts: list[list[int]], draft: Path | None
+) -> tuple[list[list[int]], int, int, float]:
+    """(outputs, completion tokens, verify steps, tok/s) of SGLang with or without the drafter."""
+    serve = config.serve
+    if serve is None or config.target is None:  # checked when the run file was read
+        raise ValueError("no [serve] or [target] table")
+    launch = SglangLaunch(
+        python=sglang_python(serve.python),
+        model=serve.model or config.target.model,
+        tensor_parallel_size=serve.tensor_parallel_size,
+        data_parallel_size=serve.data_parallel_size,
+        extra_args=serve.extra_args,
+        env={key: str(value) for key, value in serve.env.items()},
+        draft=draft,
+        draft_tokens=config.eval.draft_tokens,
+    )
+    name = "sglang-eval-speculative" if draft else "sglang-eval-plain"
+    server = SupervisedServer(name, launch.argv, log_path=config.output_dir / "servers" / f"{name}.log", log=ctx.log,
+                              env=launch.env, startup_timeout_s=serve.startup_timeout_s, max_restarts=0)  # fmt: skip
+    outputs, generated, verify_steps = [], 0, 0
+    with server:
+        started = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            ctx.checkpoint()
+            ids, meta = generate_ids(server.base_url, prompt, config.eval.max_new_tokens)
+            outputs.append(ids)
+            generated += int(meta.get("completion_tokens", len(ids)))
+            verify_steps += int(meta.get("spec_verify_ct", 0))
+            ctx.progress(i + 1, len(prompts), "prompts", force=i + 1 == len(prompts))
+        elapsed = time.perf_counter() - started
+    return outputs, generated, verify_steps, generated / elapsed if elapsed > 0 else 0.0
+
+
+def evaluate_sglang(config: RunConfig, ctx: StageContext, prompts: list[list[int]], export_dir: Path) -> EvalResult:
+    """SGLang's acceptance length: generated tokens per verify step over the eval (its per-request
+    ``completion_tokens / spec_verify_ct``, summed). SGLang does not split it by draft position."""
+    ctx.log("info", f"eval: SGLang with the drafter ({config.eval.draft_tokens} draft tokens), then without, over {len(prompts)} prompts")
+    speculative, generated, steps, spec_tps = _sglang_decode(config, ctx, prompts, export_dir)
+    plain, _, _, plain_tps = _sglang_decode(config, ctx, prompts, None)
+    return EvalResult(
+        drafter=str(export_dir),
+        prompts=len(prompts),
+        verify_steps=steps,
+        draft_tokens=config.eval.draft_tokens,
+        acceptance_length=round(generated / steps, 4) if steps else 0.0,
+        acceptance_rate_per_position=[],
+        greedy_mismatches=sum(a != b for a, b in zip(speculative, plain)),
+        backend="sglang",
         tok_per_s=round(spec_tps, 2),
         tok_per_s_without_drafter=round(plain_tps, 2),
     )
