@@ -93,6 +93,8 @@ def test_one_run_file_serves_the_target_for_generate(whole_run):
     records = read_jsonl(config.output_dir / "B1" / "data.jsonl")
     assert records and all(r["endpoint"].startswith("http://127.0.0.1:") for r in records)
     assert all(r["usage_source"] == "server" for r in records)
+    # the exact tokens vLLM generated, one per counted completion token
+    assert all(len(r["completion_token_ids"]) == r["completion_tokens"] for r in records)
     assert "Application startup complete" in (config.output_dir / "servers" / "vllm-generate.log").read_text()
     assert engine.stage_states["generate"].status == StageStatus.DONE
 

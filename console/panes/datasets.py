@@ -26,12 +26,13 @@ COLUMNS = (
     ("avg", "Avg len", 7),
     ("req_s", "req/s", 6),
     ("tok_s", "tok/s", 7),
+    ("reasoning", "Think", 5),
     ("eta", "ETA", 7),
     ("in_flight", "In flight", 9),
     ("failures", "Failed", 6),
 )
 
-_RIGHT = {"tokens", "percent", "samples", "avg", "req_s", "tok_s", "eta", "in_flight", "failures"}
+_RIGHT = {"tokens", "percent", "samples", "avg", "req_s", "tok_s", "reasoning", "eta", "in_flight", "failures"}
 _CURSOR = Style(reverse=True, bold=True)
 
 _STATE_STYLE = {

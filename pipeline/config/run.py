@@ -32,6 +32,7 @@ __all__ = [
 
 ALL_STAGES = ("generate", "prepare", "extract", "train", "export", "eval")
 FORMATS = ("auto", "conversations", "messages", "prompt")
+THINKING = ("keep", "drop", "off")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 
@@ -51,6 +52,11 @@ class EndpointConfig:
         check=matches(r"^[A-Za-z_][A-Za-z0-9_]*$", "must be the NAME of an environment variable, not the key itself"),
     )
     max_concurrency: int | None = setting(None, "cap on this endpoint's requests in flight", check=at_least(1))
+    kind: str = setting(
+        "auto",
+        "the server's dialect: `vllm` (also asks for exact token ids), `sglang`, `openrouter`, `openai`; `auto` tells OpenRouter by its URL",
+        check=one_of("auto", "vllm", "sglang", "openrouter", "openai"),
+    )
 
     @property
     def label(self) -> str:
@@ -92,6 +98,7 @@ class DatasetConfig:
     format: str = setting("auto", "`conversations`, `messages`, `prompt`, or `auto` per row", check=one_of(*FORMATS))
     max_samples: int | None = setting(None, "optional sample cap as well", check=at_least(1))
     id_field: str = setting("id", "the row's own id field; rows without one are keyed by a content hash")
+    thinking: str | None = setting(None, "this dataset's thinking mode; default the run's", check=one_of(*THINKING))
 
 
 @dataclass(frozen=True)
@@ -210,6 +217,11 @@ class RunConfig:
     concurrency: int = setting(64, "records in flight, all datasets together", check=at_least(1))
     tokenizer: Path | None = setting(None, "counts tokens when a server omits usage")
     cancel_in_flight_over_budget: bool = setting(False, "lowering a budget cancels in-flight requests too")
+    thinking: str = setting(
+        "keep",
+        "a reasoning target's thinking: `keep` (stored, trained on), `drop` (stored, flagged, not trained on), `off` (asked not to think)",
+        check=one_of(*THINKING),
+    )
     flush_interval_s: float = setting(0.5, "seconds between durable batches", check=Check(lambda v: v > 0, "must be positive"))
     status_interval_s: float = setting(5.0, "seconds between `--no-tui` status lines", check=Check(lambda v: v > 0, "must be positive"))
     stages: tuple[str, ...] | None = setting(
@@ -267,6 +279,9 @@ class RunConfig:
     @property
     def export_dir(self) -> Path:
         return self.output_dir / "drafter"
+
+    def thinking_for(self, dataset: DatasetConfig) -> str:
+        return dataset.thinking or self.thinking
 
     def dataset(self, name: str) -> DatasetConfig:
         for ds in self.datasets:

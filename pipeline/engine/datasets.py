@@ -26,6 +26,7 @@ class DatasetRunner:
     def __init__(self, engine: Engine, config: DatasetConfig, store: DatasetStore):
         self.engine, self.config, self.store = engine, config, store
         self.budget = store.budget_override if store.budget_override is not None else config.token_budget
+        self.thinking = engine.config.thinking_for(config)
         self.state = DatasetState.QUEUED
         self.reason = ""
         self.paused = False
@@ -156,7 +157,7 @@ class DatasetRunner:
 
     async def _request(self, prompt: Prompt) -> None:
         try:
-            completion = await self.engine.client.complete(prompt.messages)
+            completion = await self.engine.client.complete(prompt.messages, thinking=self.thinking)
         except PermanentFailure as exc:
             reason = self.engine.redact(exc.reason)
             self.store.add_failure(
@@ -185,9 +186,12 @@ class DatasetRunner:
                 self.engine.request_flush()
 
     def _record(self, prompt: Prompt, completion: Completion) -> dict[str, Any]:
-        return {
+        reply: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        if completion.reasoning:
+            reply["reasoning_content"] = completion.reasoning  # the name chat templates read
+        record = {
             "id": prompt.prompt_id,
-            "conversations": [*prompt.messages, {"role": "assistant", "content": completion.text}],
+            "conversations": [*prompt.messages, reply],
             "dataset": self.config.name,
             "source_offset": prompt.offset,
             "source_line": prompt.line,
@@ -201,8 +205,13 @@ class DatasetRunner:
             "latency_s": round(completion.latency_s, 4),
             "attempts": completion.attempts,
             "cost": completion.cost,
+            "thinking": self.thinking,  # drop: the reasoning is kept here but not trained on
+            "reasoning_tokens": completion.reasoning_tokens,
             "finished_at": round(time.time(), 3),
         }
+        if completion.token_ids is not None:
+            record["completion_token_ids"] = list(completion.token_ids)
+        return record
 
     def cancel_requests(self) -> None:
         for task in list(self._requests):
@@ -244,5 +253,6 @@ class DatasetRunner:
             tok_per_s=round(tok_s, 1),
             eta_s=round(eta, 1) if eta is not None else None,
             cost=round(totals.cost, 6),
+            reasoning_tokens=totals.reasoning_tokens,
             reason=self.reason,
         )

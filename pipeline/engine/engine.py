@@ -316,7 +316,7 @@ class Engine(EngineCommands):
         )
         try:
             await asyncio.to_thread(server.start)
-            endpoint = EndpointConfig(base_url=f"{server.base_url}/v1", model=launch.served_name)
+            endpoint = EndpointConfig(base_url=f"{server.base_url}/v1", model=launch.served_name, kind="vllm")
             self.pool = EndpointPool((*self.config.endpoints, endpoint))
             self._models[endpoint.label] = endpoint.model
             yield

@@ -22,6 +22,7 @@ import aiohttp
 
 from pipeline.config import EndpointConfig, RetryConfig, SamplingConfig
 from pipeline.errors import EagleOpsError
+from pipeline.generate.replies import MalformedReply, Reply, parse_reply, request_fields
 
 __all__ = [
     "ChatClient",
@@ -61,6 +62,9 @@ class Completion:
     latency_s: float
     attempts: int
     cost: float | None = None
+    reasoning: str | None = None
+    reasoning_tokens: int = 0  # of completion_tokens; the server's count, else estimated
+    token_ids: tuple[int, ...] | None = None
 
 
 def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
@@ -204,15 +208,16 @@ class ChatClient:
         self._timeout = aiohttp.ClientTimeout(total=retry.timeout_s, sock_connect=min(30.0, retry.timeout_s))
         self.on_retry = None  # callable(reason: str, delay: float) for logging
 
-    def _body(self, endpoint: _EndpointState, messages: tuple[dict[str, str], ...]) -> bytes:
+    def _body(self, endpoint: _EndpointState, messages: tuple[dict[str, str], ...], thinking: str) -> bytes:
+        ep = endpoint.config
         body = {
-            "model": endpoint.config.model,
+            "model": ep.model,
             "messages": list(messages),
             "max_tokens": self.sampling.max_tokens,
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
             "stream": False,
-            **self.sampling.extra,
+            **request_fields(self.sampling.extra, kind=ep.kind, base_url=ep.base_url, thinking=thinking),
         }
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
@@ -223,14 +228,14 @@ class ChatClient:
             delay = max(delay, min(retry_after, max(self.retry.max_delay_s, retry_after)))
         return delay
 
-    async def complete(self, messages: tuple[dict[str, str], ...]) -> Completion:
+    async def complete(self, messages: tuple[dict[str, str], ...], *, thinking: str = "keep") -> Completion:
         started = time.monotonic()
         attempt = 0
         while True:
             attempt += 1
             endpoint = await self.pool.acquire()
             try:
-                result = await self._attempt(endpoint, messages)
+                reply = await self._attempt(endpoint, messages, thinking)
                 break
             except _Retryable as exc:
                 endpoint.errors += 1
@@ -245,36 +250,41 @@ class ChatClient:
             finally:
                 self.pool.release(endpoint)
             await asyncio.sleep(delay)
-        text, finish, prompt_tokens, completion_tokens, cost = result
-        source = "server"
+        completion_tokens, source = reply.completion_tokens, "server"
+        generated = (reply.reasoning or "") + reply.text
         if completion_tokens is None:
             if self.counter.available:
-                completion_tokens = await asyncio.to_thread(self.counter.count, text)
+                completion_tokens = await asyncio.to_thread(self.counter.count, generated)
                 source = "tokenizer"
             else:
-                completion_tokens = estimate_tokens(text)
+                completion_tokens = estimate_tokens(generated)
                 source = "estimate"
         endpoint.meter.add(completion_tokens)  # after any local count, so tok/s includes it
         return Completion(
-            text=text,
-            finish_reason=finish,
-            prompt_tokens=prompt_tokens,
+            text=reply.text,
+            finish_reason=reply.finish_reason,
+            prompt_tokens=reply.prompt_tokens,
             completion_tokens=completion_tokens,
             usage_source=source,
             endpoint=endpoint.config.label,
             latency_s=time.monotonic() - started,
             attempts=attempt,
-            cost=cost,
+            cost=reply.cost,
+            reasoning=reply.reasoning,
+            reasoning_tokens=_reasoning_share(reply, completion_tokens),
+            token_ids=reply.token_ids,
         )
 
-    async def _attempt(self, endpoint: _EndpointState, messages: tuple[dict[str, str], ...]):
+    async def _attempt(self, endpoint: _EndpointState, messages: tuple[dict[str, str], ...], thinking: str) -> Reply:
         headers = {"Content-Type": "application/json"}
         if endpoint.key:
             headers["Authorization"] = f"Bearer {endpoint.key}"
         sent = time.monotonic()
         response = None
         try:
-            response = await self.session.post(endpoint.url, data=self._body(endpoint, messages), headers=headers, timeout=self._timeout)
+            response = await self.session.post(
+                endpoint.url, data=self._body(endpoint, messages, thinking), headers=headers, timeout=self._timeout
+            )
             raw = await response.read()
         except TimeoutError:
             raise _Retryable(f"timed out after {self.retry.timeout_s:g}s") from None
@@ -295,23 +305,18 @@ class ChatClient:
                 raise _Retryable(reason, retry_after_seconds(response.headers.get("Retry-After")))
             raise PermanentFailure(reason, 1)
         try:
-            payload = json.loads(raw)
-            choice = payload["choices"][0]
-            text = choice["message"]["content"]
-            if text is None:
-                text = ""
-            if not isinstance(text, str):
-                raise TypeError("content is not a string")
-            finish = choice.get("finish_reason") or "unknown"
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise _Retryable(f"malformed response ({type(exc).__name__}: {str(exc)[:80]})") from None
-        usage = payload.get("usage") or {}
-        completion_tokens = usage.get("completion_tokens")
-        if not isinstance(completion_tokens, int) or isinstance(completion_tokens, bool) or completion_tokens < 0:
-            completion_tokens = None
-        prompt_tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
-        cost = usage.get("cost") if isinstance(usage.get("cost"), (int, float)) else None
-        latency = time.monotonic() - sent
+            reply = parse_reply(raw)
+        except MalformedReply as exc:
+            raise _Retryable(str(exc)) from None
         endpoint.requests += 1
-        endpoint.latencies.append(latency)
-        return text, finish, prompt_tokens, completion_tokens, cost
+        endpoint.latencies.append(time.monotonic() - sent)
+        return reply
+
+
+def _reasoning_share(reply: Reply, completion_tokens: int) -> int:
+    """The server's reasoning token count, else the thinking's share of the characters."""
+    if reply.reasoning_tokens is not None:
+        return min(reply.reasoning_tokens, completion_tokens)
+    if not reply.reasoning:
+        return 0
+    return round(completion_tokens * len(reply.reasoning) / (len(reply.reasoning) + len(reply.text)))

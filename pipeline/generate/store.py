@@ -46,10 +46,12 @@ class Totals:
     bad_lines: int = 0
     truncated: int = 0
     cost: float = 0.0
+    reasoning_tokens: int = 0  # of tokens: what the target spent thinking
 
     def add_record(self, record: dict[str, Any]) -> None:
         self.samples += 1
         self.tokens += int(record.get("completion_tokens") or 0)
+        self.reasoning_tokens += int(record.get("reasoning_tokens") or 0)
         self.prompt_tokens += int(record.get("prompt_tokens") or 0)
         self.truncated += record.get("finish_reason") == "length"
         self.cost += float(record.get("cost") or 0.0)

@@ -85,6 +85,7 @@ class DatasetProgress(Event):
     tok_per_s: float = 0.0
     eta_s: float | None = None
     cost: float = 0.0
+    reasoning_tokens: int = 0  # of tokens, spent thinking
     reason: str = ""  # why it is in its state ("budget reached", "source exhausted", ...)
     at: float = field(default_factory=time.time)
 
@@ -95,6 +96,10 @@ class DatasetProgress(Event):
     @property
     def fraction(self) -> float:
         return min(1.0, self.tokens / self.budget) if self.budget else 1.0
+
+    @property
+    def reasoning_share(self) -> float:
+        return self.reasoning_tokens / self.tokens if self.tokens else 0.0
 
     @property
     def mean_completion(self) -> float:

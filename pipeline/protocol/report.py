@@ -95,6 +95,7 @@ def dataset_cells(p: DatasetProgress) -> dict[str, str]:
         "avg": f"{p.mean_completion:.0f}",
         "req_s": format_rate(p.req_per_s),
         "tok_s": format_rate(p.tok_per_s),
+        "reasoning": f"{100 * p.reasoning_share:.0f}%" if p.reasoning_tokens else "-",
         "eta": format_duration(p.eta_s),
         "in_flight": str(p.in_flight),
         "failures": str(p.failures + p.bad_lines),
@@ -119,6 +120,8 @@ def status_line(p: DatasetProgress) -> str:
         f"in-flight {c['in_flight']}",
         f"failed {c['failures']}",
     ]
+    if p.reasoning_tokens:
+        parts.append(f"thinking {c['reasoning']}")
     if p.truncated:
         parts.append(f"length-cut {c['truncated']}")
     if c["cost"]:

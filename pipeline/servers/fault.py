@@ -12,6 +12,10 @@ Faults are asked for in the prompt text, so a test decides exactly what each rec
     [[tokens:N]]         answer with N completion tokens (N words)
     [[delay:S]]          answer after S seconds
     [[cost:X]]           report ``usage.cost`` = X dollars, as OpenRouter does
+    [[think:FORM]]       a reasoning model's reply: its thinking in ``message.reasoning`` (vLLM,
+                         OpenRouter), ``message.reasoning_content`` (SGLang) or ``inline``
+                         (``<think>..</think>`` in content), with ``reasoning_tokens`` in usage;
+                         none when the request turns thinking off (counted in ``thinking_off``)
 
 ``--fault-rate`` adds random transient faults (500, 429, reset, malformed) to any request.
 ``GET /admin/stats`` reports requests, completions, disconnects and peak concurrency.
@@ -33,7 +37,7 @@ from aiohttp import web
 
 from .common import LOOPBACK, client_gone, serve_forever
 
-_DIRECTIVE = re.compile(r"\[\[(fault|tokens|delay|cost):([^\]]+)\]\]")
+_DIRECTIVE = re.compile(r"\[\[(fault|tokens|delay|cost|think):([^\]]+)\]\]")
 _WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box".split()
 
 
@@ -42,7 +46,7 @@ class FaultServer:
         self.default_tokens, self.latency_s, self.fault_rate, self.retry_after = tokens, latency_s, fault_rate, retry_after
         self.rng = random.Random(seed)
         self.attempts: dict[str, int] = {}
-        self.stats = {"requests": 0, "completed": 0, "disconnects": 0, "in_flight": 0, "max_in_flight": 0, "faults": 0}
+        self.stats = {"requests": 0, "completed": 0, "disconnects": 0, "in_flight": 0, "max_in_flight": 0, "faults": 0, "thinking_off": 0}
         self._canned: dict[int, bytes] = {}
 
     def app(self) -> web.Application:
@@ -96,7 +100,7 @@ class FaultServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
-            body = json.loads(raw)
+            body = request_body = json.loads(raw)
             messages = body["messages"]
             text = messages[-1]["content"]
         except (ValueError, KeyError, IndexError, TypeError):
@@ -133,6 +137,12 @@ class FaultServer:
             payload = json.loads(body)
             payload["usage"]["cost"] = cost
             body = json.dumps(payload).encode()
+        think = next((arg for kind, arg in directives if kind == "think"), None)
+        if _thinking_off(request_body):
+            self.stats["thinking_off"] += 1
+            think = None
+        if think is not None:
+            body = _with_thinking(body, think)
         return web.Response(body=body, content_type="application/json")
 
     async def _fault(self, request: web.Request, fault: str) -> web.StreamResponse:
@@ -160,6 +170,32 @@ class FaultServer:
         if fault.isdigit():
             return web.json_response({"error": {"message": f"injected {fault}"}}, status=int(fault))
         return web.json_response({"error": {"message": f"unknown fault {fault!r}"}}, status=400)
+
+
+_THOUGHT = "first I weigh the cases then I check the sum"
+
+
+def _thinking_off(body: dict) -> bool:
+    """The ways clients turn thinking off: a chat-template switch (vLLM, SGLang) or OpenRouter's."""
+    template = body.get("chat_template_kwargs") or {}
+    reasoning = body.get("reasoning") or {}
+    return template.get("enable_thinking") is False or reasoning.get("enabled") is False
+
+
+def _with_thinking(body: bytes, form: str) -> bytes:
+    payload = json.loads(body)
+    message = payload["choices"][0]["message"]
+    if form == "inline":
+        message["content"] = f"<think>{_THOUGHT}</think>\n\n{message['content']}"
+    else:
+        message[form] = _THOUGHT
+    thought_tokens = len(_THOUGHT.split())
+    usage = payload.get("usage")
+    if usage is not None:
+        usage["completion_tokens"] += thought_tokens
+        usage["total_tokens"] += thought_tokens
+        usage["completion_tokens_details"] = {"reasoning_tokens": thought_tokens}
+    return json.dumps(payload).encode()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,95 @@
+"""What a chat-completion request asks and what its reply says, across servers' dialects.
+
+Thinking: vLLM puts it in ``message.reasoning`` (``reasoning_content`` is its deprecated name),
+SGLang in ``message.reasoning_content`` (with ``--reasoning-parser``), OpenRouter in
+``message.reasoning``; a server without a parser leaves it inline, ``<think>...</think>`` at the
+start of the content. Turning it off is a chat-template switch for vLLM and SGLang
+(``chat_template_kwargs.enable_thinking``) and ``reasoning.enabled`` for OpenRouter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MalformedReply", "Reply", "parse_reply", "request_fields", "thinking_off_fields"]
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class MalformedReply(ValueError):
+    """A 200 whose body is not a chat completion: retried like a transient failure."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    text: str
+    reasoning: str | None
+    finish_reason: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    reasoning_tokens: int | None
+    token_ids: tuple[int, ...] | None
+    cost: float | None
+
+
+def thinking_off_fields(kind: str, base_url: str) -> dict[str, Any]:
+    if kind == "openrouter" or (kind == "auto" and "openrouter.ai" in base_url):
+        return {"reasoning": {"enabled": False}}
+    return {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def request_fields(extra: dict[str, Any], *, kind: str, base_url: str, thinking: str) -> dict[str, Any]:
+    """The run file's extra fields, plus what the thinking mode and the server kind ask for."""
+    fields = dict(extra)
+    if thinking == "off":
+        for key, value in thinking_off_fields(kind, base_url).items():
+            fields[key] = {**(fields.get(key) or {}), **value}
+    if kind == "vllm":
+        fields.setdefault("return_token_ids", True)  # the exact tokens, for prepare
+    return fields
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _split_inline(text: str) -> tuple[str, str | None]:
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_OPEN) and THINK_CLOSE in stripped:
+        thought, _, answer = stripped[len(THINK_OPEN) :].partition(THINK_CLOSE)
+        return answer.lstrip("\n"), thought.strip()
+    return text, None
+
+
+def parse_reply(raw: bytes) -> Reply:
+    try:
+        payload = json.loads(raw)
+        choice = payload["choices"][0]
+        message = choice["message"]
+        text = message.get("content") or ""
+        if not isinstance(text, str):
+            raise TypeError("content is not a string")
+        finish = choice.get("finish_reason") or "unknown"
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise MalformedReply(f"malformed response ({type(exc).__name__}: {str(exc)[:80]})") from None
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    if not isinstance(reasoning, str) or not reasoning:
+        text, reasoning = _split_inline(text)
+    usage = payload.get("usage") or {}
+    details = usage.get("completion_tokens_details") or {}
+    ids = choice.get("token_ids")
+    token_ids = tuple(ids) if isinstance(ids, list) and all(_count(i) is not None for i in ids) else None
+    cost = usage.get("cost")
+    return Reply(
+        text=text,
+        reasoning=reasoning,
+        finish_reason=finish,
+        prompt_tokens=_count(usage.get("prompt_tokens")),
+        completion_tokens=_count(usage.get("completion_tokens")),
+        reasoning_tokens=_count(details.get("reasoning_tokens")) if isinstance(details, dict) else None,
+        token_ids=token_ids,
+        cost=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) else None,
+    )

@@ -1,0 +1,85 @@
+"""A reasoning target's replies: its thinking kept whichever field or inline form the server
+used, turned off the way each server understands, counted in the budget and shown as a share."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.engine import Engine
+from pipeline.generate.replies import parse_reply, request_fields
+from pipeline.protocol.report import status_line
+
+from .conftest import make_config, read_jsonl, write_jsonl
+
+THOUGHT = "first I weigh the cases then I check the sum"
+
+
+def _body(message: dict, usage: dict | None = None, **choice) -> bytes:
+    return json.dumps({"choices": [{"message": message, "finish_reason": "stop", **choice}], "usage": usage or {}}).encode()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"content": "4", "reasoning": THOUGHT},  # vLLM, OpenRouter
+        {"content": "4", "reasoning_content": THOUGHT},  # SGLang with --reasoning-parser
+        {"content": f"<think>{THOUGHT}</think>\n\n4"},  # no parser: inline
+    ],
+)
+def test_every_servers_thinking_is_found(message):
+    reply = parse_reply(_body(message, {"completion_tokens": 12, "completion_tokens_details": {"reasoning_tokens": 10}}))
+    assert (reply.text, reply.reasoning, reply.completion_tokens, reply.reasoning_tokens) == ("4", THOUGHT, 12, 10)
+
+
+def test_token_ids_are_kept_and_an_answer_without_thinking_is_plain():
+    reply = parse_reply(_body({"content": "no <think> here"}, {"completion_tokens": 3}, token_ids=[5, 6, 7]))
+    assert reply.reasoning is None and reply.text == "no <think> here" and reply.token_ids == (5, 6, 7)
+
+
+def test_thinking_off_is_asked_in_each_servers_dialect():
+    generic = request_fields({"top_k": 5}, kind="auto", base_url="http://127.0.0.1:8000/v1", thinking="off")
+    assert generic == {"top_k": 5, "chat_template_kwargs": {"enable_thinking": False}}
+    routed = request_fields({}, kind="auto", base_url="https://openrouter.ai/api/v1", thinking="off")
+    assert routed == {"reasoning": {"enabled": False}}
+    kept = request_fields({"chat_template_kwargs": {"x": 1}}, kind="vllm", base_url="http://h/v1", thinking="off")
+    assert kept == {"chat_template_kwargs": {"x": 1, "enable_thinking": False}, "return_token_ids": True}
+    assert "chat_template_kwargs" not in request_fields({}, kind="sglang", base_url="http://h/v1", thinking="keep")
+
+
+async def test_kept_thinking_is_stored_counted_and_shown(tmp_path, fault_server):
+    forms = {"V": "reasoning", "S": "reasoning_content", "I": "inline"}
+    datasets = [
+        {
+            "name": name,
+            "path": str(
+                write_jsonl(tmp_path / f"{name}.jsonl", [{"id": f"{name}{i}", "prompt": f"q {i} [[think:{form}]]"} for i in range(5)])
+            ),
+            "token_budget": "1M",
+        }
+        for name, form in forms.items()
+    ]
+    config = make_config(tmp_path, fault_server.base_url, datasets)
+    summary = await Engine(config).run()
+    assert summary.ok
+    for name in forms:
+        records = read_jsonl(config.output_dir / name / "data.jsonl")
+        assert len(records) == 5
+        for record in records:
+            reply = record["conversations"][-1]
+            assert reply["reasoning_content"] == THOUGHT and "<think>" not in reply["content"]
+            assert record["completion_tokens"] == 30 and record["reasoning_tokens"] == 10 and record["thinking"] == "keep"
+        progress = next(d for d in summary.datasets if d.name == name)
+        assert progress.tokens == 150 and progress.reasoning_tokens == 50  # the budget counts the thinking too
+        assert "thinking 33%" in status_line(progress)
+
+
+async def test_thinking_off_is_requested_and_nothing_is_stored(tmp_path, fault_server):
+    fault_server.reset()
+    source = write_jsonl(tmp_path / "a.jsonl", [{"id": f"a{i}", "prompt": f"q {i} [[think:reasoning]]"} for i in range(4)])
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M", "thinking": "off"}])
+    summary = await Engine(config).run()
+    assert summary.ok and fault_server.stats()["thinking_off"] == 4
+    for record in read_jsonl(config.output_dir / "A" / "data.jsonl"):
+        assert "reasoning_content" not in record["conversations"][-1] and record["thinking"] == "off" and record["reasoning_tokens"] == 0
