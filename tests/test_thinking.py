@@ -83,3 +83,88 @@ async def test_thinking_off_is_requested_and_nothing_is_stored(tmp_path, fault_s
     assert summary.ok and fault_server.stats()["thinking_off"] == 4
     for record in read_jsonl(config.output_dir / "A" / "data.jsonl"):
         assert "reasoning_content" not in record["conversations"][-1] and record["thinking"] == "off" and record["reasoning_tokens"] == 0
+
+
+def _spans(tok, ids, mask) -> list[str]:
+    spans, current = [], []
+    for token, m in zip(ids, mask):
+        if m:
+            current.append(token)
+        elif current:
+            spans.append(tok.decode(current))
+            current = []
+    if current:
+        spans.append(tok.decode(current))
+    return spans
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model))
+
+
+@pytest.mark.slow
+def test_kept_thinking_is_rendered_by_the_template_and_trained_on(tokenizer):
+    from pipeline.training.prepare import tokenize_samples
+
+    messages = [{"role": "user", "content": "add two and two"}, {"role": "assistant", "content": "four", "reasoning_content": THOUGHT}]
+    [(ids, mask, _)] = tokenize_samples(tokenizer, messages, 4096)
+    assert _spans(tokenizer, ids, mask) == [f"<think>\n{THOUGHT}\n</think>\n\nfour<|eot_id|>"]
+
+
+@pytest.mark.slow
+def test_dropped_thinking_is_not_trained_on(tokenizer):
+    from pipeline.training.prepare import _turn, tokenize_samples
+
+    reply = {"role": "assistant", "content": "four", "reasoning_content": THOUGHT}
+    messages = [{"role": "user", "content": "add two and two"}, _turn(reply, keep_thinking=False)]
+    [(ids, mask, _)] = tokenize_samples(tokenizer, messages, 4096)
+    assert _spans(tokenizer, ids, mask) == ["four<|eot_id|>"]
+
+
+@pytest.mark.slow
+def test_a_template_that_drops_earlier_thinking_gives_that_turn_a_sample_of_its_own(tokenizer):
+    from pipeline.training.prepare import tokenize_samples
+
+    messages = [
+        {"role": "user", "content": "add two and two"},
+        {"role": "assistant", "content": "four", "reasoning_content": "two plus two"},
+        {"role": "user", "content": "and three more"},
+        {"role": "assistant", "content": "seven", "reasoning_content": "four and three"},
+    ]
+    (full, full_mask, _), (own, own_mask, _) = tokenize_samples(tokenizer, messages, 4096)
+    assert _spans(tokenizer, full, full_mask) == ["<think>\nfour and three\n</think>\n\nseven<|eot_id|>"]
+    assert "two plus two" not in tokenizer.decode(full)  # the history as the template renders it
+    assert _spans(tokenizer, own, own_mask) == ["<think>\ntwo plus two\n</think>\n\nfour<|eot_id|>"]
+
+
+@pytest.mark.slow
+def test_a_template_that_cannot_render_thinking_is_refused(tokenizer):
+    from pipeline.training.prepare import PrepareError, tokenize_samples
+
+    plain = (  # a template with no notion of thinking
+        "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+        "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "reasoning_content": THOUGHT}]
+    original, tokenizer.chat_template = tokenizer.chat_template, plain
+    try:
+        tokenize_samples(tokenizer, messages, 4096)
+    except PrepareError as exc:
+        assert "ignores `reasoning_content`" in str(exc)
+    else:
+        raise AssertionError("a template that ignores reasoning_content was accepted")
+    finally:
+        tokenizer.chat_template = original
+
+
+@pytest.mark.slow
+def test_replies_that_re_tokenise_differently_are_counted(tokenizer):
+    from pipeline.training.prepare import exact_mismatch
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cache keeps tokens"}]
+    generated = tokenizer.encode("the cache keeps tokens", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert not exact_mismatch(tokenizer, messages, generated)
+    assert exact_mismatch(tokenizer, messages, [tokenizer.encode("x", add_special_tokens=False)[0], *generated])

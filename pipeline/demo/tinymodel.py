@@ -15,13 +15,23 @@ __all__ = ["CHAT_TEMPLATE", "build_tiny_model", "sample_text", "SPECIAL_TOKENS"]
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|pad|>"]
 
+# Llama-3 turns, with a reasoning target's thinking as Qwen3's template renders it: an assistant
+# turn's ``reasoning_content`` as a <think> block, only after the last user turn (earlier turns'
+# thinking is dropped from the history), and ``enable_thinking=false`` as an empty block.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for message in messages %}{% if message['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
     "{% for message in messages %}"
-    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{% if message['role'] == 'assistant' and message['reasoning_content'] is defined and message['reasoning_content']"
+    " and loop.index0 > ns.last_user %}<think>\n{{ message['reasoning_content'] }}\n</think>\n\n{% endif %}"
+    "{{ message['content'] }}<|eot_id|>"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
+TEMPLATE_VERSION = 2  # part of the cache key: a built model is rebuilt when its template changes
 
 _TOPICS = (
     "python rust kernel cache tensor gradient server request budget token dataset shard layer "
@@ -143,7 +153,7 @@ def build_tiny_model(
         "vocab_size": vocab_size, "hidden_size": hidden_size, "layers": layers, "heads": heads,
         "kv_heads": kv_heads, "intermediate_size": intermediate_size, "max_positions": max_positions,
         "seed": seed, "stop_bias": stop_bias, "init_std": init_std, "branch_scale": branch_scale,
-        "pretrain_steps": pretrain_steps,
+        "pretrain_steps": pretrain_steps, "template": TEMPLATE_VERSION,
     }  # fmt: skip
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return directory

@@ -61,6 +61,7 @@ class PreparedIndex:
     draft_vocab_coverage: float
     tokenizer: str
     shards: tuple[PreparedShard, ...]
+    retokenized_mismatches: int = 0  # replies whose template render differs from the ids generated
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

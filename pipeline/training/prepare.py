@@ -32,7 +32,7 @@ from pipeline.training.context import StageContext
 from pipeline.training.target import require_target
 from pipeline.training.vocab import build_draft_vocab
 
-__all__ = ["PrepareError", "prepare", "tokenize_conversation"]
+__all__ = ["PrepareError", "exact_mismatch", "prepare", "tokenize_conversation", "tokenize_samples"]
 
 Sample = tuple[list[int], list[int]]  # (input_ids, loss_mask)
 
@@ -47,29 +47,80 @@ def _ids(encoded: Any) -> list[int]:
     return list(encoded)
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict[str, str]], max_length: int) -> tuple[list[int], list[int], int]:
-    """(input_ids, loss_mask, untruncated length) of one conversation rendered by the
-    tokenizer's chat template."""
-    full = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
+def _render(tokenizer: Any, messages: list[dict[str, Any]], *, generation_prompt: bool = False) -> list[int]:
+    return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)) if messages else []
+
+
+def _check_renders_reasoning(tokenizer: Any, messages: list[dict[str, Any]], k: int) -> None:
+    """A turn's thinking must reach the render, or the drafter would never see what the target
+    spends most of its decoding on."""
+    plain = [*messages[:k], {key: value for key, value in messages[k].items() if key != "reasoning_content"}]
+    if _render(tokenizer, messages[: k + 1]) == _render(tokenizer, plain):
+        raise PrepareError(
+            f"the chat template ignores `reasoning_content` (turn {k}): it cannot render the target's thinking; "
+            'use the target\'s own template, or thinking = "drop" for this dataset'
+        )
+
+
+def tokenize_samples(tokenizer: Any, messages: list[dict[str, Any]], max_length: int) -> list[tuple[list[int], list[int], int]]:
+    """[(input_ids, loss_mask, untruncated length)] of one conversation rendered by the tokenizer's
+    chat template; the loss mask covers each assistant turn (thinking and answer).
+
+    Spans come from the template itself: the tokens that rendering turn k adds after the
+    generation prompt of the turns before it. Templates that drop earlier turns' thinking from
+    the history (Qwen3's do) render such a turn differently once the conversation goes on: that
+    turn is then a sample of its own, rendered as the target saw it when it wrote it."""
+    full = _render(tokenizer, messages)
     mask = [0] * len(full)
+    separate: list[tuple[list[int], list[int], int]] = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _ids(tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=True)) if k else []
+        if message.get("reasoning_content"):
+            _check_renders_reasoning(tokenizer, messages, k)
+        before = _render(tokenizer, messages[:k], generation_prompt=True)
         # the last turn's render is the whole conversation: no need to render it twice
-        through = full if k + 1 == len(messages) else _ids(tokenizer.apply_chat_template(messages[: k + 1], tokenize=True))
-        if full[: len(through)] != through or through[: len(before)] != before:
+        through = full if k + 1 == len(messages) else _render(tokenizer, messages[: k + 1])
+        if through[: len(before)] != before:
             raise PrepareError(
                 f"the chat template does not render conversations prefix-consistently, so assistant spans cannot be located (turn {k})"
             )
-        for i in range(len(before), len(through)):
-            mask[i] = 1
-    return full[:max_length], mask[:max_length], len(full)
+        if full[: len(through)] == through:
+            mask[len(before) : len(through)] = [1] * (len(through) - len(before))
+        elif message.get("reasoning_content"):
+            own = [0] * len(before) + [1] * (len(through) - len(before))
+            separate.append((through[:max_length], own[:max_length], len(through)))
+        else:
+            raise PrepareError(
+                f"the chat template does not render conversations prefix-consistently, so assistant spans cannot be located (turn {k})"
+            )
+    return [(full[:max_length], mask[:max_length], len(full)), *separate]
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], max_length: int) -> tuple[list[int], list[int], int]:
+    """(input_ids, loss_mask, untruncated length) of a conversation that renders as one sample."""
+    return tokenize_samples(tokenizer, messages, max_length)[0]
+
+
+def exact_mismatch(tokenizer: Any, messages: list[dict[str, Any]], generated: list[int]) -> bool:
+    """Whether the last reply, re-tokenised by the template, differs from the ids the server generated."""
+    before = _render(tokenizer, messages[:-1], generation_prompt=True)
+    span = _render(tokenizer, messages)[len(before) :]
+    eos = tokenizer.eos_token_id
+    body = generated[:-1] if generated and generated[-1] == eos else generated
+    return span[: len(body)] != body
 
 
 def _prompt_key(messages: list[dict[str, str]]) -> str:
     prompt = messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
     return hashlib.blake2b(json.dumps(prompt, sort_keys=True, ensure_ascii=False).encode(), digest_size=12).hexdigest()
+
+
+def _turn(message: dict[str, Any], keep_thinking: bool) -> dict[str, Any]:
+    turn = {"role": message["role"], "content": message["content"]}
+    if keep_thinking and message.get("reasoning_content"):
+        turn["reasoning_content"] = message["reasoning_content"]
+    return turn
 
 
 def _read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict[str, Any]], int]:
@@ -87,7 +138,8 @@ def _read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict
                     messages = record["conversations"]
                     if not isinstance(messages, list) or not messages or messages[-1].get("role") != "assistant":
                         raise ValueError("conversations must end with an assistant turn")
-                    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+                    keep_thinking = record.get("thinking", "keep") == "keep"
+                    messages = [_turn(m, keep_thinking) for m in messages]
                 except (ValueError, KeyError, TypeError) as exc:
                     raise PrepareError(f"{path}:{line_no}: conversations: {exc}") from None
                 key = _prompt_key(messages)
@@ -95,7 +147,8 @@ def _read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict
                     duplicates += 1
                     continue
                 seen.add(key)
-                rows.append({"key": key, "id": str(record.get("id", key)), "dataset": ds.name, "messages": messages})
+                exact = record.get("completion_token_ids")
+                rows.append({"key": key, "id": str(record.get("id", key)), "dataset": ds.name, "messages": messages, "exact": exact})
     return rows, duplicates
 
 
@@ -139,21 +192,25 @@ def _load_tokenizer(path: Path) -> Any:
     return tokenizer
 
 
-def _tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int, ctx: StageContext) -> tuple[list[Sample], int]:
-    """Samples with at least one trained token, and how many were cut at ``max_length``."""
+def _tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int, ctx: StageContext) -> tuple[list[Sample], int, int]:
+    """Samples with at least one trained token, how many were cut at ``max_length``, and how
+    many replies re-tokenise differently from the ids the server generated."""
     samples: list[Sample] = []
-    truncated = 0
+    truncated = mismatches = 0
     for i, row in enumerate(rows):
         ctx.checkpoint()
         try:
-            ids, mask, full_length = tokenize_conversation(tokenizer, row["messages"], max_length)
+            rendered = tokenize_samples(tokenizer, row["messages"], max_length)
+            if row.get("exact"):
+                mismatches += exact_mismatch(tokenizer, row["messages"], list(row["exact"]))
         except PrepareError as exc:
             raise PrepareError(f"{row['dataset']}/{row['id']}: {exc}") from None
-        truncated += full_length > len(ids)
-        if sum(mask):
-            samples.append((ids, mask))
+        for ids, mask, full_length in rendered:
+            truncated += full_length > len(ids)
+            if sum(mask):
+                samples.append((ids, mask))
         ctx.progress(i + 1, len(rows), "samples")
-    return samples, truncated
+    return samples, truncated, mismatches
 
 
 def _write_shards(folder: Path, samples: list[Sample], per_shard: int) -> list[PreparedShard]:
@@ -218,7 +275,9 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
     rows, duplicates = _read_conversations(config, ctx)
     rng = random.Random(config.prepare.seed)
     held_out, rows = _split(config, rows, rng)
-    samples, truncated = _tokenize_rows(tokenizer, rows, config.prepare.max_length, ctx)
+    samples, truncated, mismatches = _tokenize_rows(tokenizer, rows, config.prepare.max_length, ctx)
+    if mismatches:
+        ctx.log("warning", f"prepare: {mismatches} of {len(rows)} replies re-tokenise differently from the ids the server generated")
     for extra in config.prepare.extra:
         samples += _read_extra(extra, config.prepare.max_length)
     if config.prepare.extra:
@@ -243,6 +302,7 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
         assistant_tokens=total_assistant,
         duplicates_dropped=duplicates,
         truncated=int(truncated),
+        retokenized_mismatches=mismatches,
         held_out=len(held_out),
         max_length=config.prepare.max_length,
         vocab_size=len(tokenizer),
