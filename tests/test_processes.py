@@ -187,3 +187,44 @@ def test_the_readme_demo_runs_offline(tmp_path):
     assert again.returncode == 0
     assert again.stdout.count("budget reached") >= 3  # at budget: skipped at once
     assert "prepare: up to date" in again.stdout
+
+
+@pytest.mark.slow
+def test_kill_9_in_the_middle_of_conversations_leaves_no_half_record(tmp_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("multi")
+    with start_server(["pipeline.servers.fault", "--tokens", "5", "--latency", "0.1"], folder / "port", log_path=folder / "log") as port:
+        rows = [
+            {
+                "id": f"c{i}",
+                "messages": [
+                    m for k in range(3) for m in ({"role": "user", "content": f"q{k} {i}"}, {"role": "assistant", "content": "old"})
+                ],
+            }
+            for i in range(150)
+        ]
+        source = write_jsonl(tmp_path / "c.jsonl", rows)
+        run = _write_run(tmp_path, f"http://127.0.0.1:{port}/v1", [("C", source, "1G")], concurrency=16)
+        run.write_text(run.read_text() + 'regenerate = "all"\n')
+        rng = random.Random(5)
+        kills = 0
+        for _ in range(4):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"],
+                env=_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(rng.uniform(0.8, 1.6))  # mid-conversation: each takes three 0.1 s replies
+            if proc.poll() is not None:
+                break
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            kills += 1
+        final = _cli("run", str(run), "--no-tui")
+        assert final.returncode == 0, final.stderr + final.stdout
+    assert kills >= 2
+    records = read_jsonl(tmp_path / "out" / "C" / "data.jsonl")
+    assert Counter(r["id"] for r in records) == Counter({f"c{i}": 1 for i in range(150)})
+    for record in records:  # whole conversations only, the target's replies throughout
+        assert [t["role"] for t in record["conversations"]] == ["user", "assistant"] * 3
+        assert all(t["content"] != "old" for t in record["conversations"])

@@ -168,3 +168,27 @@ def test_replies_that_re_tokenise_differently_are_counted(tokenizer):
     generated = tokenizer.encode("the cache keeps tokens", add_special_tokens=False) + [tokenizer.eos_token_id]
     assert not exact_mismatch(tokenizer, messages, generated)
     assert exact_mismatch(tokenizer, messages, [tokenizer.encode("x", add_special_tokens=False)[0], *generated])
+
+
+def _exchanges(n: int, tag: str = "") -> dict:
+    turns = []
+    for k in range(3):
+        turns.append({"from": "human", "value": f"question {k} of {n} {tag}"})
+        if k < 2:
+            turns.append({"from": "gpt", "value": "ANOTHER MODEL'S WORDS"})
+    return {"id": f"c{n}", "conversations": turns}
+
+
+async def test_every_assistant_turn_is_regenerated_in_order(tmp_path, fault_server):
+    fault_server.reset()
+    source = write_jsonl(tmp_path / "c.jsonl", [_exchanges(n, "[[think:reasoning_content]]") for n in range(4)])
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "C", "path": str(source), "token_budget": "1M", "regenerate": "all"}])
+    summary = await Engine(config).run()
+    assert summary.ok and fault_server.stats()["completed"] == 12  # three replies a conversation
+    for record in read_jsonl(config.output_dir / "C" / "data.jsonl"):
+        turns = record["conversations"]
+        assert [t["role"] for t in turns] == ["user", "assistant"] * 3
+        assert all("ANOTHER MODEL" not in t["content"] for t in turns)
+        assert all(t["reasoning_content"] == THOUGHT for t in turns[1::2])
+        assert record["regenerated_turns"] == 3 and record["completion_tokens"] == 3 * 30 and record["reasoning_tokens"] == 30
+    assert summary.datasets[0].tokens == 4 * 90

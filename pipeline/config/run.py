@@ -99,6 +99,11 @@ class DatasetConfig:
     max_samples: int | None = setting(None, "optional sample cap as well", check=at_least(1))
     id_field: str = setting("id", "the row's own id field; rows without one are keyed by a content hash")
     thinking: str | None = setting(None, "this dataset's thinking mode; default the run's", check=one_of(*THINKING))
+    regenerate: str = setting(
+        "last",
+        "`last`: the reply to the last user turn; `all`: every assistant turn, in order, with the target's own earlier replies",
+        check=one_of("last", "all"),
+    )
 
 
 @dataclass(frozen=True)

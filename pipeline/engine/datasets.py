@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.config import DatasetConfig, format_tokens
 from pipeline.generate.client import Completion, PermanentFailure, RateMeter
+from pipeline.generate.conversation import assistant_turn, regenerate_all
 from pipeline.generate.sources import BadLine, Prompt, SourceReader
 from pipeline.generate.store import DatasetStore, StoreError
 from pipeline.protocol.events import DatasetProgress, DatasetState
@@ -97,7 +98,9 @@ class DatasetRunner:
 
     async def _issue(self, group: asyncio.TaskGroup) -> None:
         offset, lines = self.store.reader_position()
-        reader = SourceReader(self.config.path, self.config.format, self.config.id_field, offset=offset, line=lines)
+        reader = SourceReader(
+            self.config.path, self.config.format, self.config.id_field, offset=offset, line=lines, regenerate=self.config.regenerate
+        )
         batches = reader.batches(_READ_BATCH)
         while True:
             batch = await asyncio.to_thread(next, batches, None)
@@ -157,7 +160,11 @@ class DatasetRunner:
 
     async def _request(self, prompt: Prompt) -> None:
         try:
-            completion = await self.engine.client.complete(prompt.messages, thinking=self.thinking)
+            if self.config.regenerate == "all":
+                conversation, completion, replies = await regenerate_all(self.engine.client, prompt.messages, self.thinking)
+            else:
+                completion = await self.engine.client.complete(prompt.messages, thinking=self.thinking)
+                conversation, replies = [*prompt.messages, assistant_turn(completion)], 1
         except PermanentFailure as exc:
             reason = self.engine.redact(exc.reason)
             self.store.add_failure(
@@ -174,7 +181,7 @@ class DatasetRunner:
             )
             self.engine.log("error", f"{self.config.path.name}:{prompt.line} ({prompt.prompt_id}): {reason}", self.config.name)
         else:
-            self.store.add_record(prompt, self._record(prompt, completion))
+            self.store.add_record(prompt, self._record(prompt, conversation, completion, replies))
             self.meter.add(completion.completion_tokens)
             if self.engine.config.cancel_in_flight_over_budget and self.store.accepted.tokens >= self.budget:
                 self.cancel_requests()
@@ -185,13 +192,11 @@ class DatasetRunner:
             if self.store.buffered() >= FLUSH_RECORDS:
                 self.engine.request_flush()
 
-    def _record(self, prompt: Prompt, completion: Completion) -> dict[str, Any]:
-        reply: dict[str, Any] = {"role": "assistant", "content": completion.text}
-        if completion.reasoning:
-            reply["reasoning_content"] = completion.reasoning  # the name chat templates read
+    def _record(self, prompt: Prompt, conversation: list[dict[str, Any]], completion: Completion, replies: int) -> dict[str, Any]:
         record = {
             "id": prompt.prompt_id,
-            "conversations": [*prompt.messages, reply],
+            "conversations": conversation,
+            "regenerated_turns": replies,
             "dataset": self.config.name,
             "source_offset": prompt.offset,
             "source_line": prompt.line,

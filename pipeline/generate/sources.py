@@ -13,7 +13,7 @@ from typing import Any
 
 from pipeline.errors import InputError
 
-__all__ = ["Prompt", "BadLine", "SourceReader", "parse_row", "prompt_id_for"]
+__all__ = ["BadLine", "Prompt", "SourceReader", "parse_row", "prompt_id_for", "reply_points"]
 
 _ROLE_ALIASES = {
     "human": "user",
@@ -88,8 +88,10 @@ def _turns(raw: Any, key: str) -> list[dict[str, str]]:
     return turns
 
 
-def parse_row(row: Any, fmt: str, id_field: str) -> tuple[str, tuple[dict[str, str], ...]]:
-    """Return (prompt_id, messages-to-send). Raises RowError naming the field."""
+def parse_row(row: Any, fmt: str, id_field: str, regenerate: str = "last") -> tuple[str, tuple[dict[str, str], ...]]:
+    """Return (prompt_id, messages). ``last``: the conversation up to its last user turn (the reply
+    to regenerate follows it); ``all``: every turn, the original replies marking where the
+    target's own go. Raises RowError naming the field."""
     if not isinstance(row, dict):
         raise RowError("<row>", "expected a JSON object")
     if fmt == "auto":
@@ -114,7 +116,7 @@ def parse_row(row: Any, fmt: str, id_field: str) -> tuple[str, tuple[dict[str, s
         raise RowError(fmt, "no user turn")
     if not turns[last_user]["content"].strip():
         raise RowError(f"{fmt}[{last_user}].content", "empty user turn")
-    messages = tuple(turns[: last_user + 1])
+    messages = tuple(turns if regenerate == "all" else turns[: last_user + 1])
     own_id = row.get(id_field)
     if isinstance(own_id, (str, int)) and not isinstance(own_id, bool) and str(own_id):
         return str(own_id), messages
@@ -124,8 +126,8 @@ def parse_row(row: Any, fmt: str, id_field: str) -> tuple[str, tuple[dict[str, s
 class SourceReader:
     """Iterates a JSONL source from a byte offset, yielding Prompt or BadLine."""
 
-    def __init__(self, path: Path, fmt: str = "auto", id_field: str = "id", *, offset: int = 0, line: int = 0):
-        self.path, self.fmt, self.id_field = path, fmt, id_field
+    def __init__(self, path: Path, fmt: str = "auto", id_field: str = "id", *, offset: int = 0, line: int = 0, regenerate: str = "last"):
+        self.path, self.fmt, self.id_field, self.regenerate = path, fmt, id_field, regenerate
         self.start_offset, self.start_line = offset, line
 
     def __iter__(self) -> Iterator[Prompt | BadLine]:
@@ -145,7 +147,7 @@ class SourceReader:
                     yield BadLine(str(self.path), line_no, here, offset, "<json>", f"invalid JSON ({getattr(exc, 'msg', exc)})")
                     continue
                 try:
-                    pid, messages = parse_row(row, self.fmt, self.id_field)
+                    pid, messages = parse_row(row, self.fmt, self.id_field, self.regenerate)
                 except RowError as exc:
                     yield BadLine(str(self.path), line_no, here, offset, exc.field, exc.reason)
                     continue
@@ -160,3 +162,10 @@ class SourceReader:
                 batch = []
         if batch:
             yield batch
+
+
+def reply_points(turns: tuple[dict[str, str], ...]) -> list[int]:
+    """Indices of the user turns a reply follows when every assistant turn is regenerated: each
+    user turn the original answered, and the last one."""
+    users = [i for i, t in enumerate(turns) if t["role"] == "user"]
+    return [i for i in users if i == users[-1] or (i + 1 < len(turns) and turns[i + 1]["role"] == "assistant")]

@@ -1,0 +1,61 @@
+"""Regenerating a whole conversation: every assistant turn in order, each from the target with its
+own earlier replies in the history, so nothing another model wrote is trained on as the target's.
+
+The conversation becomes one record only when its last reply is in: a kill in the middle leaves
+nothing behind, and resume redoes the conversation from its first turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pipeline.generate.client import ChatClient, Completion
+from pipeline.generate.sources import reply_points
+
+__all__ = ["assistant_turn", "regenerate_all"]
+
+
+def assistant_turn(completion: Completion) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": "assistant", "content": completion.text}
+    if completion.reasoning:
+        turn["reasoning_content"] = completion.reasoning  # the name chat templates read
+    return turn
+
+
+def _combined(completions: list[Completion]) -> Completion:
+    """One record's accounting for several replies: sums, and the last reply's endpoint."""
+    last = completions[-1]
+    known_prompts = [c.prompt_tokens for c in completions if c.prompt_tokens is not None]
+    costs = [c.cost for c in completions if c.cost is not None]
+    return dataclasses.replace(
+        last,
+        finish_reason="length" if any(c.finish_reason == "length" for c in completions) else last.finish_reason,
+        prompt_tokens=sum(known_prompts) if known_prompts else None,
+        completion_tokens=sum(c.completion_tokens for c in completions),
+        reasoning_tokens=sum(c.reasoning_tokens for c in completions),
+        latency_s=sum(c.latency_s for c in completions),
+        attempts=sum(c.attempts for c in completions),
+        cost=sum(costs) if costs else None,
+    )
+
+
+async def regenerate_all(
+    client: ChatClient, turns: tuple[dict[str, str], ...], thinking: str
+) -> tuple[list[dict[str, Any]], Completion, int]:
+    """(the conversation with the target's replies, their combined accounting, replies made)."""
+    points = set(reply_points(turns))
+    sent: list[dict[str, str]] = []  # what the server sees: role and content, as any server takes
+    kept: list[dict[str, Any]] = []  # what the record keeps: the thinking too
+    completions: list[Completion] = []
+    for i, turn in enumerate(turns):
+        if turn["role"] == "assistant":
+            continue  # another model's words: replaced by the target's own
+        sent.append(turn)
+        kept.append(turn)
+        if i in points:
+            completion = await client.complete(tuple(sent), thinking=thinking)
+            completions.append(completion)
+            sent.append({"role": "assistant", "content": completion.text})
+            kept.append(assistant_turn(completion))
+    return kept, _combined(completions), len(completions)
