@@ -190,5 +190,45 @@ async def test_every_assistant_turn_is_regenerated_in_order(tmp_path, fault_serv
         assert [t["role"] for t in turns] == ["user", "assistant"] * 3
         assert all("ANOTHER MODEL" not in t["content"] for t in turns)
         assert all(t["reasoning_content"] == THOUGHT for t in turns[1::2])
-        assert record["regenerated_turns"] == 3 and record["completion_tokens"] == 3 * 30 and record["reasoning_tokens"] == 30
+        assert record["target_turns"] == [1, 3, 5] and record["completion_tokens"] == 3 * 30 and record["reasoning_tokens"] == 30
     assert summary.datasets[0].tokens == 4 * 90
+
+
+CALL = [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}]
+
+
+async def test_tool_calls_pass_through_and_only_the_targets_replies_are_marked(tmp_path, fault_server):
+    fault_server.reset()
+    row = {
+        "id": "t1",
+        "messages": [
+            {"role": "user", "content": "add two and two"},
+            {"role": "assistant", "content": None, "tool_calls": CALL},
+            {"role": "tool", "tool_call_id": "call_1", "content": "4"},
+            {"role": "assistant", "content": "ANOTHER MODEL'S WORDS"},
+            {"role": "user", "content": "thanks"},
+        ],
+    }
+    source = write_jsonl(tmp_path / "t.jsonl", [row])
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "T", "path": str(source), "token_budget": "1M", "regenerate": "all"}])
+    assert (await Engine(config).run()).ok
+    [record] = read_jsonl(config.output_dir / "T" / "data.jsonl")
+    turns = record["conversations"]
+    assert turns[1] == {"role": "assistant", "content": "", "tool_calls": CALL}  # a call stays as it was
+    assert turns[2] == {"role": "tool", "content": "4", "tool_call_id": "call_1"}
+    assert [t["role"] for t in turns] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert record["target_turns"] == [3, 5] and "ANOTHER MODEL" not in json.dumps(turns)
+
+
+@pytest.mark.slow
+def test_prepare_trains_only_on_the_turns_the_target_wrote(tokenizer):
+    from pipeline.training.prepare import tokenize_samples
+
+    messages = [
+        {"role": "user", "content": "add two and two"},
+        {"role": "assistant", "content": "ANOTHER MODEL"},  # kept as history by regenerate = last
+        {"role": "user", "content": "and three more"},
+        {"role": "assistant", "content": "seven"},
+    ]
+    [(ids, mask, _)] = tokenize_samples(tokenizer, messages, 4096, trained=[3])
+    assert _spans(tokenizer, ids, mask) == ["seven<|eot_id|>"]

@@ -161,10 +161,10 @@ class DatasetRunner:
     async def _request(self, prompt: Prompt) -> None:
         try:
             if self.config.regenerate == "all":
-                conversation, completion, replies = await regenerate_all(self.engine.client, prompt.messages, self.thinking)
+                conversation, completion, written = await regenerate_all(self.engine.client, prompt.messages, self.thinking)
             else:
                 completion = await self.engine.client.complete(prompt.messages, thinking=self.thinking)
-                conversation, replies = [*prompt.messages, assistant_turn(completion)], 1
+                conversation, written = [*prompt.messages, assistant_turn(completion)], [len(prompt.messages)]
         except PermanentFailure as exc:
             reason = self.engine.redact(exc.reason)
             self.store.add_failure(
@@ -181,7 +181,7 @@ class DatasetRunner:
             )
             self.engine.log("error", f"{self.config.path.name}:{prompt.line} ({prompt.prompt_id}): {reason}", self.config.name)
         else:
-            self.store.add_record(prompt, self._record(prompt, conversation, completion, replies))
+            self.store.add_record(prompt, self._record(prompt, conversation, completion, written))
             self.meter.add(completion.completion_tokens)
             if self.engine.config.cancel_in_flight_over_budget and self.store.accepted.tokens >= self.budget:
                 self.cancel_requests()
@@ -192,11 +192,11 @@ class DatasetRunner:
             if self.store.buffered() >= FLUSH_RECORDS:
                 self.engine.request_flush()
 
-    def _record(self, prompt: Prompt, conversation: list[dict[str, Any]], completion: Completion, replies: int) -> dict[str, Any]:
+    def _record(self, prompt: Prompt, conversation: list[dict[str, Any]], completion: Completion, written: list[int]) -> dict[str, Any]:
         record = {
             "id": prompt.prompt_id,
             "conversations": conversation,
-            "regenerated_turns": replies,
+            "target_turns": written,  # the replies the target wrote: the only ones trained on
             "dataset": self.config.name,
             "source_offset": prompt.offset,
             "source_line": prompt.line,

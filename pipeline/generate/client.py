@@ -208,7 +208,7 @@ class ChatClient:
         self._timeout = aiohttp.ClientTimeout(total=retry.timeout_s, sock_connect=min(30.0, retry.timeout_s))
         self.on_retry = None  # callable(reason: str, delay: float) for logging
 
-    def _body(self, endpoint: _EndpointState, messages: tuple[dict[str, str], ...], thinking: str) -> bytes:
+    def _body(self, endpoint: _EndpointState, messages: tuple[dict[str, Any], ...], thinking: str) -> bytes:
         ep = endpoint.config
         body = {
             "model": ep.model,
@@ -228,7 +228,7 @@ class ChatClient:
             delay = max(delay, min(retry_after, max(self.retry.max_delay_s, retry_after)))
         return delay
 
-    async def complete(self, messages: tuple[dict[str, str], ...], *, thinking: str = "keep") -> Completion:
+    async def complete(self, messages: tuple[dict[str, Any], ...], *, thinking: str = "keep") -> Completion:
         started = time.monotonic()
         attempt = 0
         while True:
@@ -275,7 +275,7 @@ class ChatClient:
             token_ids=reply.token_ids,
         )
 
-    async def _attempt(self, endpoint: _EndpointState, messages: tuple[dict[str, str], ...], thinking: str) -> Reply:
+    async def _attempt(self, endpoint: _EndpointState, messages: tuple[dict[str, Any], ...], thinking: str) -> Reply:
         headers = {"Content-Type": "application/json"}
         if endpoint.key:
             headers["Authorization"] = f"Bearer {endpoint.key}"

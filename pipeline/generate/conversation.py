@@ -41,15 +41,17 @@ def _combined(completions: list[Completion]) -> Completion:
 
 
 async def regenerate_all(
-    client: ChatClient, turns: tuple[dict[str, str], ...], thinking: str
-) -> tuple[list[dict[str, Any]], Completion, int]:
-    """(the conversation with the target's replies, their combined accounting, replies made)."""
+    client: ChatClient, turns: tuple[dict[str, Any], ...], thinking: str
+) -> tuple[list[dict[str, Any]], Completion, list[int]]:
+    """(the conversation with the target's replies, their combined accounting, the indices of the
+    replies the target wrote: the ones to train on)."""
     points = set(reply_points(turns))
-    sent: list[dict[str, str]] = []  # what the server sees: role and content, as any server takes
+    sent: list[dict[str, Any]] = []  # what the server sees: role and content, as any server takes
     kept: list[dict[str, Any]] = []  # what the record keeps: the thinking too
     completions: list[Completion] = []
+    written: list[int] = []
     for i, turn in enumerate(turns):
-        if turn["role"] == "assistant":
+        if turn["role"] == "assistant" and not turn.get("tool_calls"):
             continue  # another model's words: replaced by the target's own
         sent.append(turn)
         kept.append(turn)
@@ -57,5 +59,6 @@ async def regenerate_all(
             completion = await client.complete(tuple(sent), thinking=thinking)
             completions.append(completion)
             sent.append({"role": "assistant", "content": completion.text})
+            written.append(len(kept))
             kept.append(assistant_turn(completion))
-    return kept, _combined(completions), len(completions)
+    return kept, _combined(completions), written

@@ -24,7 +24,10 @@ _ROLE_ALIASES = {
     "model": "assistant",
     "chatgpt": "assistant",
     "system": "system",
+    "tool": "tool",
+    "function": "tool",
 }
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # carried through unchanged
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +35,7 @@ class Prompt:
     """One request to make: the conversation up to (and including) its last user turn."""
 
     prompt_id: str
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     offset: int  # byte offset of the source line
     end: int  # byte offset just past it
     line: int  # 1-based line number in the source
@@ -62,12 +65,12 @@ class RowError(InputError):
         self.field, self.reason = field, reason
 
 
-def prompt_id_for(messages: tuple[dict[str, str], ...]) -> str:
+def prompt_id_for(messages: tuple[dict[str, Any], ...]) -> str:
     canonical = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     return "h" + hashlib.blake2b(canonical.encode("utf-8"), digest_size=12).hexdigest()
 
 
-def _turns(raw: Any, key: str) -> list[dict[str, str]]:
+def _turns(raw: Any, key: str) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise RowError(key, "expected a non-empty list of turns")
     turns = []
@@ -82,13 +85,15 @@ def _turns(raw: Any, key: str) -> list[dict[str, str]]:
         mapped = _ROLE_ALIASES.get(role.lower())
         if mapped is None:
             raise RowError(f"{where}.role", f"unknown role {role!r}")
+        if content is None and mapped == "assistant" and isinstance(turn.get("tool_calls"), list):
+            content = ""  # a turn that only calls tools
         if not isinstance(content, str):
             raise RowError(f"{where}.content", "missing or not a string")
-        turns.append({"role": mapped, "content": content})
+        turns.append({"role": mapped, "content": content, **{k: turn[k] for k in _TOOL_KEYS if k in turn}})
     return turns
 
 
-def parse_row(row: Any, fmt: str, id_field: str, regenerate: str = "last") -> tuple[str, tuple[dict[str, str], ...]]:
+def parse_row(row: Any, fmt: str, id_field: str, regenerate: str = "last") -> tuple[str, tuple[dict[str, Any], ...]]:
     """Return (prompt_id, messages). ``last``: the conversation up to its last user turn (the reply
     to regenerate follows it); ``all``: every turn, the original replies marking where the
     target's own go. Raises RowError naming the field."""
@@ -164,8 +169,17 @@ class SourceReader:
             yield batch
 
 
-def reply_points(turns: tuple[dict[str, str], ...]) -> list[int]:
-    """Indices of the user turns a reply follows when every assistant turn is regenerated: each
-    user turn the original answered, and the last one."""
-    users = [i for i, t in enumerate(turns) if t["role"] == "user"]
-    return [i for i in users if i == users[-1] or (i + 1 < len(turns) and turns[i + 1]["role"] == "assistant")]
+def reply_points(turns: tuple[dict[str, Any], ...]) -> list[int]:
+    """Indices of the turns a reply follows when every assistant turn is regenerated: each user or
+    tool turn the original answered in words, and a last user turn. An assistant turn that calls
+    tools stays as it was, with its results: a new call would not match them."""
+    points = []
+    for i, turn in enumerate(turns):
+        if turn["role"] not in ("user", "tool"):
+            continue
+        following = turns[i + 1] if i + 1 < len(turns) else None
+        if following is None and turn["role"] == "user":
+            points.append(i)
+        elif following is not None and following["role"] == "assistant" and not following.get("tool_calls"):
+            points.append(i)
+    return points

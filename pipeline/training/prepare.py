@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +63,12 @@ def _check_renders_reasoning(tokenizer: Any, messages: list[dict[str, Any]], k: 
         )
 
 
-def tokenize_samples(tokenizer: Any, messages: list[dict[str, Any]], max_length: int) -> list[tuple[list[int], list[int], int]]:
+def tokenize_samples(
+    tokenizer: Any, messages: list[dict[str, Any]], max_length: int, trained: Collection[int] | None = None
+) -> list[tuple[list[int], list[int], int]]:
     """[(input_ids, loss_mask, untruncated length)] of one conversation rendered by the tokenizer's
-    chat template; the loss mask covers each assistant turn (thinking and answer).
+    chat template; the loss mask covers each assistant turn the target wrote (``trained``: their
+    indices; None: every assistant turn), thinking and answer.
 
     Spans come from the template itself: the tokens that rendering turn k adds after the
     generation prompt of the turns before it. Templates that drop earlier turns' thinking from
@@ -74,7 +78,7 @@ def tokenize_samples(tokenizer: Any, messages: list[dict[str, Any]], max_length:
     mask = [0] * len(full)
     separate: list[tuple[list[int], list[int], int]] = []
     for k, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or (trained is not None and k not in trained):
             continue
         if message.get("reasoning_content"):
             _check_renders_reasoning(tokenizer, messages, k)
@@ -118,6 +122,7 @@ def _prompt_key(messages: list[dict[str, str]]) -> str:
 
 def _turn(message: dict[str, Any], keep_thinking: bool) -> dict[str, Any]:
     turn = {"role": message["role"], "content": message["content"]}
+    turn.update({key: message[key] for key in ("tool_calls", "tool_call_id", "name") if key in message})  # for the template
     if keep_thinking and message.get("reasoning_content"):
         turn["reasoning_content"] = message["reasoning_content"]
     return turn
@@ -148,7 +153,17 @@ def _read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict
                     continue
                 seen.add(key)
                 exact = record.get("completion_token_ids")
-                rows.append({"key": key, "id": str(record.get("id", key)), "dataset": ds.name, "messages": messages, "exact": exact})
+                trained = record.get("target_turns")  # absent in older outputs: every assistant turn
+                rows.append(
+                    {
+                        "key": key,
+                        "id": str(record.get("id", key)),
+                        "dataset": ds.name,
+                        "messages": messages,
+                        "exact": exact,
+                        "trained": trained,
+                    }
+                )
     return rows, duplicates
 
 
@@ -200,7 +215,7 @@ def _tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int, 
     for i, row in enumerate(rows):
         ctx.checkpoint()
         try:
-            rendered = tokenize_samples(tokenizer, row["messages"], max_length)
+            rendered = tokenize_samples(tokenizer, row["messages"], max_length, row.get("trained"))
             if row.get("exact"):
                 mismatches += exact_mismatch(tokenizer, row["messages"], list(row["exact"]))
         except PrepareError as exc:
