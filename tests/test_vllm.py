@@ -35,7 +35,7 @@ pytestmark = [
 SERVE = {
     "python": PYTHON,
     "max_model_len": 1024,
-    "extra_args": ["--optimization-level", "0", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "32"],
+    "extra_args": ["--optimization-level", "0", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "32", "--reasoning-parser", "qwen3"],
     "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
     "startup_timeout_s": 600,
 }
@@ -95,6 +95,10 @@ def test_one_run_file_serves_the_target_for_generate(whole_run):
     assert all(r["usage_source"] == "server" for r in records)
     # the exact tokens vLLM generated, one per counted completion token
     assert all(len(r["completion_token_ids"]) == r["completion_tokens"] for r in records)
+    # the tiny target thinks; vLLM's reasoning parser hands the thinking over apart from the answer
+    replies = [r["conversations"][-1] for r in records]
+    assert any(reply.get("reasoning_content") and reply["content"] for reply in replies)
+    assert not any("<think>" in reply["content"] or "</think>" in reply["content"] for reply in replies)
     assert "Application startup complete" in (config.output_dir / "servers" / "vllm-generate.log").read_text()
     assert engine.stage_states["generate"].status == StageStatus.DONE
 

@@ -31,7 +31,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
-TEMPLATE_VERSION = 2  # part of the cache key: a built model is rebuilt when its template changes
+TEMPLATE_VERSION = 4  # part of the cache key: a built model is rebuilt when its template changes
+THINK_TOKENS = ["<think>", "</think>"]
 
 _TOPICS = (
     "python rust kernel cache tensor gradient server request budget token dataset shard layer "
@@ -92,11 +93,13 @@ def _train_tokenizer(directory: Path, vocab_size: int, seed: int) -> None:
         eos_token="<|eot_id|>",
         pad_token="<|pad|>",
     )
+    # ordinary added tokens, as Qwen3's are: kept in decoded text, one id each for reasoning parsers
+    fast.add_tokens(THINK_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(directory))
 
 
-def _pretrain(model, tokenizer, steps: int, seed: int, batch: int = 16, length: int = 64) -> None:
+def _pretrain(model, tokenizer, steps: int, seed: int, batch: int = 16, length: int = 96) -> None:
     import torch
 
     rng = random.Random(seed + 1)
@@ -106,10 +109,10 @@ def _pretrain(model, tokenizer, steps: int, seed: int, batch: int = 16, length: 
     for _ in range(steps):
         rows = []
         for _ in range(batch):
-            conversation = [
-                {"role": "user", "content": sample_text(rng, rng.randint(4, 16))},
-                {"role": "assistant", "content": sample_text(rng, rng.randint(6, 24))},
-            ]
+            reply = {"role": "assistant", "content": sample_text(rng, rng.randint(6, 24))}
+            if rng.random() < 0.9:  # a reasoning target: its answers think first (nearly always)
+                reply["reasoning_content"] = sample_text(rng, rng.randint(4, 14))
+            conversation = [{"role": "user", "content": sample_text(rng, rng.randint(4, 16))}, reply]
             ids = tokenizer.apply_chat_template(conversation, tokenize=True)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[:length]
             rows.append(ids + [tokenizer.pad_token_id] * (length - len(ids)))

@@ -76,7 +76,9 @@ def parse_reply(raw: bytes) -> Reply:
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         raise MalformedReply(f"malformed response ({type(exc).__name__}: {str(exc)[:80]})") from None
     reasoning = message.get("reasoning") or message.get("reasoning_content")
-    if not isinstance(reasoning, str) or not reasoning:
+    if isinstance(reasoning, str) and reasoning.strip():
+        reasoning = reasoning.strip()  # the template puts its own newlines around it
+    else:
         text, reasoning = _split_inline(text)
     usage = payload.get("usage") or {}
     details = usage.get("completion_tokens_details") or {}
