@@ -141,19 +141,37 @@ def test_a_template_that_drops_earlier_thinking_gives_that_turn_a_sample_of_its_
 
 
 @pytest.mark.slow
+def test_a_template_that_keeps_thinking_in_the_content_gets_it_inline(tokenizer):
+    from pipeline.training.prepare import tokenize_samples
+
+    inline = (  # no reasoning field: thinking travels inside the content, as <think> blocks
+        "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+        "{{ message['content'] }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    )
+    messages = [{"role": "user", "content": "add two and two"}, {"role": "assistant", "content": "four", "reasoning_content": THOUGHT}]
+    original, tokenizer.chat_template = tokenizer.chat_template, inline
+    try:
+        [(ids, mask, _)] = tokenize_samples(tokenizer, messages, 4096)
+    finally:
+        tokenizer.chat_template = original
+    assert _spans(tokenizer, ids, mask) == [f"<think>\n{THOUGHT}\n</think>\n\nfour<|eot_id|>"]
+
+
+@pytest.mark.slow
 def test_a_template_that_cannot_render_thinking_is_refused(tokenizer):
     from pipeline.training.prepare import PrepareError, tokenize_samples
 
-    plain = (  # a template with no notion of thinking
+    plain = (  # strips thinking wherever it is, as DeepSeek-R1's template does
         "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-        "{{ message['content'] }}<|eot_id|>{% endfor %}"
+        "{{ message['content'].split('</think>')[-1] }}<|eot_id|>{% endfor %}"
     )
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "reasoning_content": THOUGHT}]
     original, tokenizer.chat_template = tokenizer.chat_template, plain
     try:
         tokenize_samples(tokenizer, messages, 4096)
     except PrepareError as exc:
-        assert "ignores `reasoning_content`" in str(exc)
+        assert "renders no thinking" in str(exc)
     else:
         raise AssertionError("a template that ignores reasoning_content was accepted")
     finally:
@@ -232,3 +250,17 @@ def test_prepare_trains_only_on_the_turns_the_target_wrote(tokenizer):
     ]
     [(ids, mask, _)] = tokenize_samples(tokenizer, messages, 4096, trained=[3])
     assert _spans(tokenizer, ids, mask) == ["seven<|eot_id|>"]
+
+
+@pytest.mark.slow
+def test_the_generated_ids_replace_a_reply_that_re_tokenises_differently(tokenizer):
+    from pipeline.training.prepare import tokenize_samples, with_exact_reply
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cache keeps tokens"}]
+    rendered = tokenize_samples(tokenizer, messages, 4096)[0]
+    # the same text, split into other tokens than the template's re-tokenisation would give
+    generated = [tok for piece in ("the", " cache", " keeps", " tokens") for tok in tokenizer.encode(piece, add_special_tokens=False)]
+    generated = [*sum((tokenizer.encode(ch, add_special_tokens=False) for ch in "the cache"), []), *generated[2:], tokenizer.eos_token_id]
+    ids, mask, _ = with_exact_reply(tokenizer, messages, rendered, generated, 4096)
+    assert ids[-len(generated) :] == generated and mask[-len(generated) :] == [1] * len(generated)
+    assert tokenizer.decode(ids) == tokenizer.decode(rendered[0])  # the same text, the generated tokens

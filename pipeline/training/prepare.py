@@ -33,7 +33,7 @@ from pipeline.training.context import StageContext
 from pipeline.training.target import require_target
 from pipeline.training.vocab import build_draft_vocab
 
-__all__ = ["PrepareError", "exact_mismatch", "prepare", "tokenize_conversation", "tokenize_samples"]
+__all__ = ["PrepareError", "exact_mismatch", "prepare", "tokenize_conversation", "tokenize_samples", "with_exact_reply"]
 
 Sample = tuple[list[int], list[int]]  # (input_ids, loss_mask)
 
@@ -52,15 +52,34 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], *, generation_prompt
     return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)) if messages else []
 
 
-def _check_renders_reasoning(tokenizer: Any, messages: list[dict[str, Any]], k: int) -> None:
-    """A turn's thinking must reach the render, or the drafter would never see what the target
-    spends most of its decoding on."""
-    plain = [*messages[:k], {key: value for key, value in messages[k].items() if key != "reasoning_content"}]
-    if _render(tokenizer, messages[: k + 1]) == _render(tokenizer, plain):
+def _inline(message: dict[str, Any]) -> dict[str, Any]:
+    turn = {key: value for key, value in message.items() if key != "reasoning_content"}
+    turn["content"] = f"<think>\n{message['reasoning_content']}\n</think>\n\n{message['content']}"
+    return turn
+
+
+def _with_renderable_reasoning(tokenizer: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with each turn's thinking where the template renders it: its
+    ``reasoning_content`` field (Qwen3, Kimi-K2 style), else ``<think>`` inline in the content (the
+    form templates that keep it in content expect). A template that shows neither is refused: the
+    drafter would never see what the target spends most of its decoding on."""
+    out = list(messages)
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant" or not message.get("reasoning_content"):
+            continue
+        plain = {key: value for key, value in message.items() if key != "reasoning_content"}
+        shown = _render(tokenizer, [*out[:k], message])
+        if shown != _render(tokenizer, [*out[:k], plain]):
+            continue
+        inline = _inline(message)
+        if message["reasoning_content"] in tokenizer.decode(_render(tokenizer, [*out[:k], inline])):
+            out[k] = inline
+            continue
         raise PrepareError(
-            f"the chat template ignores `reasoning_content` (turn {k}): it cannot render the target's thinking; "
+            f"the chat template renders no thinking (turn {k}: neither `reasoning_content` nor <think> in the content); "
             'use the target\'s own template, or thinking = "drop" for this dataset'
         )
+    return out
 
 
 def tokenize_samples(
@@ -74,14 +93,13 @@ def tokenize_samples(
     generation prompt of the turns before it. Templates that drop earlier turns' thinking from
     the history (Qwen3's do) render such a turn differently once the conversation goes on: that
     turn is then a sample of its own, rendered as the target saw it when it wrote it."""
+    messages = _with_renderable_reasoning(tokenizer, messages)
     full = _render(tokenizer, messages)
     mask = [0] * len(full)
     separate: list[tuple[list[int], list[int], int]] = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant" or (trained is not None and k not in trained):
             continue
-        if message.get("reasoning_content"):
-            _check_renders_reasoning(tokenizer, messages, k)
         before = _render(tokenizer, messages[:k], generation_prompt=True)
         # the last turn's render is the whole conversation: no need to render it twice
         through = full if k + 1 == len(messages) else _render(tokenizer, messages[: k + 1])
@@ -113,6 +131,25 @@ def exact_mismatch(tokenizer: Any, messages: list[dict[str, Any]], generated: li
     eos = tokenizer.eos_token_id
     body = generated[:-1] if generated and generated[-1] == eos else generated
     return span[: len(body)] != body
+
+
+def with_exact_reply(
+    tokenizer: Any, messages: list[dict[str, Any]], sample: tuple[list[int], list[int], int], generated: list[int], max_length: int
+) -> tuple[list[int], list[int], int]:
+    """The sample with its last reply as the ids the server generated (thinking included), where
+    the template's re-tokenisation differs: the drafter learns what the target really produced.
+    Only where the template ends the reply with the end-of-sequence token, so the splice is exact."""
+    ids, mask, _ = sample
+    before = _render(tokenizer, messages[:-1], generation_prompt=True)
+    full = _render(tokenizer, messages)
+    eos = tokenizer.eos_token_id
+    body = generated[:-1] if generated and generated[-1] == eos else list(generated)
+    span = full[len(before) :]
+    if not body or span[: len(body)] == body or not span or span[-1] != eos or len(full) != len(before) + len(span):
+        return sample
+    spliced = before + body + [eos]
+    spliced_mask = (mask + [0] * len(full))[: len(before)] + [1] * (len(body) + 1)
+    return spliced[:max_length], spliced_mask[:max_length], len(spliced)
 
 
 def _prompt_key(messages: list[dict[str, str]]) -> str:
@@ -216,8 +253,10 @@ def _tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int, 
         ctx.checkpoint()
         try:
             rendered = tokenize_samples(tokenizer, row["messages"], max_length, row.get("trained"))
-            if row.get("exact"):
-                mismatches += exact_mismatch(tokenizer, row["messages"], list(row["exact"]))
+            last_is_target = row.get("trained") is None or len(row["messages"]) - 1 in row["trained"]
+            if row.get("exact") and last_is_target and exact_mismatch(tokenizer, row["messages"], list(row["exact"])):
+                mismatches += 1
+                rendered[0] = with_exact_reply(tokenizer, row["messages"], rendered[0], list(row["exact"]), max_length)
         except PrepareError as exc:
             raise PrepareError(f"{row['dataset']}/{row['id']}: {exc}") from None
         for ids, mask, full_length in rendered:
@@ -292,7 +331,10 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
     held_out, rows = _split(config, rows, rng)
     samples, truncated, mismatches = _tokenize_rows(tokenizer, rows, config.prepare.max_length, ctx)
     if mismatches:
-        ctx.log("warning", f"prepare: {mismatches} of {len(rows)} replies re-tokenise differently from the ids the server generated")
+        ctx.log(
+            "warning",
+            f"prepare: {mismatches} of {len(rows)} replies re-tokenise differently from the ids the server generated; trained on the generated ids",
+        )
     for extra in config.prepare.extra:
         samples += _read_extra(extra, config.prepare.max_length)
     if config.prepare.extra:
