@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
         ("extract", "run the target and store the hidden states EAGLE-3 trains on"),
         ("train", "train the drafter (torchrun --nproc_per_node N -m console.cli train ... for DDP)"),
         ("export", "write the drafter for SGLang/vLLM (config.json + safetensors)"),
-        ("eval", "offline acceptance length by speculative decoding on held-out prompts"),
+        ("eval", "acceptance length on held-out prompts: offline, or through vLLM / SGLang ([eval] backend)"),
     ):
         p = sub.add_parser(stage, help=what)
         p.add_argument("run_file", type=Path)

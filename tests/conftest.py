@@ -9,6 +9,7 @@ import pytest
 
 from pipeline.config import parse_run
 from pipeline.servers.launch import start_server
+from pipeline.training.context import StageContext
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -83,3 +84,17 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+class KillAt(StageContext):
+    """Kills its stage at the n-th checkpoint, as `eagleops kill STAGE` would."""
+
+    def __init__(self, stage: str, n: int):
+        super().__init__(stage)
+        self.left = n
+
+    def checkpoint(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.kill()
+        super().checkpoint()

@@ -23,6 +23,8 @@ from pipeline.training.context import StageContext, StageKilled
 from pipeline.training.prepare import tokenize_conversation
 from pipeline.training.vocab import build_draft_vocab
 
+from .conftest import KillAt
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -198,20 +200,6 @@ def test_device_map_spreads_the_target_and_computes_the_same(tiny_model):
         torch.testing.assert_close(ours, theirs)
 
 
-class _KillAfter(StageContext):
-    """Kills the stage at its n-th checkpoint, as `eagleops kill extract` would."""
-
-    def __init__(self, stage: str, n: int):
-        super().__init__(stage)
-        self.left = n
-
-    def checkpoint(self) -> None:
-        self.left -= 1
-        if self.left <= 0:
-            self.kill()
-        super().checkpoint()
-
-
 @pytest.mark.slow
 def test_extract_resumes_after_a_kill_with_identical_shards(workdir, tiny_model, tmp_path_factory):
     reference = tmp_path_factory.mktemp("reference")
@@ -224,7 +212,7 @@ def test_extract_resumes_after_a_kill_with_identical_shards(workdir, tiny_model,
     config = _config(workdir, tiny_model)
     _stage(config, "prepare")
     with pytest.raises(StageKilled):
-        _stage(config, "extract", _KillAfter("extract", 9))
+        _stage(config, "extract", KillAt("extract", 9))
     partial = json.loads((config.features_dir / "index.json").read_text())
     assert 0 < len(partial["shards"]) < len(json.loads((full.features_dir / "index.json").read_text())["shards"])
     assert not list(config.features_dir.glob("*.tmp"))
@@ -248,7 +236,7 @@ def test_train_resumes_from_a_checkpoint_on_the_same_loss_curve(workdir, tiny_mo
     straight = _config(straight_dir, tiny_model, train={"max_steps": 30, "checkpoint_every": 10})
     _stage(straight, "train")
     with pytest.raises(StageKilled):
-        _stage(base, "train", _KillAfter("train", 16))  # dies during step 16: checkpoint has 15
+        _stage(base, "train", KillAt("train", 16))  # dies during step 16: checkpoint has 15
     resumed = _stage(base, "train")
     assert resumed.steps == 30
     curve = [json.loads(line)["loss"] for line in (base.train_dir / "history.jsonl").read_text().splitlines()]

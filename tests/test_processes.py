@@ -43,6 +43,25 @@ def _write_run(tmp_path: Path, base_url: str, datasets: list[tuple[str, Path, st
     return run
 
 
+def _kill_9_repeatedly(run: Path, rng: random.Random, *, times: int, window: tuple[float, float]) -> int:
+    """Start the run headless and kill -9 it a random moment later, again and again; the kills made."""
+    kills = 0
+    for _ in range(times):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"],
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(rng.uniform(*window))
+        if proc.poll() is not None:
+            break
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    return kills
+
+
 @pytest.mark.slow
 def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("flaky")
@@ -54,21 +73,7 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, tmp_pat
         a = write_jsonl(tmp_path / "a.jsonl", rows)
         b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"beta {i}"} for i in range(400)])
         run = _write_run(tmp_path, f"http://127.0.0.1:{port}/v1", [("A", a, "1G"), ("B", b, "1G")], concurrency=24)
-        rng = random.Random(11)
-        kills = 0
-        for _ in range(12):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"],
-                env=_env(),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            time.sleep(rng.uniform(0.6, 2.0))  # imports take ~0.5s; kill during the run
-            if proc.poll() is not None:
-                break
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            kills += 1
+        kills = _kill_9_repeatedly(run, random.Random(11), times=12, window=(0.6, 2.0))  # imports take ~0.5s
         final = _cli("run", str(run), "--no-tui")
         assert final.returncode == 0, final.stderr + final.stdout
     assert kills >= 2
@@ -205,21 +210,7 @@ def test_kill_9_in_the_middle_of_conversations_leaves_no_half_record(tmp_path, t
         source = write_jsonl(tmp_path / "c.jsonl", rows)
         run = _write_run(tmp_path, f"http://127.0.0.1:{port}/v1", [("C", source, "1G")], concurrency=16)
         run.write_text(run.read_text() + 'regenerate = "all"\n')
-        rng = random.Random(5)
-        kills = 0
-        for _ in range(4):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"],
-                env=_env(),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            time.sleep(rng.uniform(0.8, 1.6))  # mid-conversation: each takes three 0.1 s replies
-            if proc.poll() is not None:
-                break
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            kills += 1
+        kills = _kill_9_repeatedly(run, random.Random(5), times=4, window=(0.8, 1.6))  # mid-conversation
         final = _cli("run", str(run), "--no-tui")
         assert final.returncode == 0, final.stderr + final.stdout
     assert kills >= 2

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -86,3 +87,35 @@ async def test_generate_fails_cleanly_when_its_served_target_does_not_start(tmp_
     assert any("out of memory" in m for m in messages), messages
     assert Path(config.output_dir / "servers" / "vllm-generate.log").exists()
     assert asyncio.get_running_loop().is_running()
+
+
+def test_a_server_that_dies_for_good_is_reported_once(tmp_path):
+    failures: list[str] = []
+    server = SupervisedServer(
+        "fault",
+        lambda port: [sys.executable, "-m", "pipeline.servers.fault", "--port", str(port)],
+        log_path=tmp_path / "fault.log",
+        startup_timeout_s=60,
+        max_restarts=0,
+        on_failed=failures.append,
+    )
+    with server:
+        os.killpg(server._proc.pid, signal.SIGKILL)
+        for _ in range(400):
+            if failures:
+                break
+            time.sleep(0.05)
+    assert len(failures) == 1 and "not restarted again" in failures[0] and server.failed == failures[0]
+
+
+def test_a_kill_stops_a_server_still_loading(tmp_path):
+    """`eagleops kill` during a slow vLLM start must not wait minutes for it."""
+    from pipeline.training.context import StageContext, StageKilled, serving
+
+    ctx = StageContext("eval")
+    hang = SupervisedServer("slow", lambda port: [sys.executable, "-c", "import time; time.sleep(600)"], log_path=tmp_path / "slow.log")
+    threading.Timer(1.0, ctx.kill).start()
+    with pytest.raises(StageKilled), serving(hang, ctx):
+        pass
+    with pytest.raises(ProcessLookupError):
+        os.killpg(hang._proc.pid, 0)

@@ -19,7 +19,7 @@ from pipeline.servers.vllm import PYTHON_ENV, launch_for, read_metrics, vllm_ser
 from pipeline.training.artifacts import FeaturesIndex
 from pipeline.training.context import StageContext, StageKilled
 
-from .conftest import read_jsonl
+from .conftest import KillAt, read_jsonl
 
 PYTHON = os.environ.get(PYTHON_ENV, "")
 pytestmark = [
@@ -39,20 +39,6 @@ SERVE = {
     "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
     "startup_timeout_s": 600,
 }
-
-
-class _KillAt(StageContext):
-    """Kills the stage at its n-th checkpoint, as `eagleops kill extract` would."""
-
-    def __init__(self, stage: str, n: int):
-        super().__init__(stage)
-        self.left = n
-
-    def checkpoint(self) -> None:
-        self.left -= 1
-        if self.left <= 0:
-            self.kill()
-        super().checkpoint()
 
 
 def _config(folder: Path, model: Path, **sections):
@@ -179,7 +165,7 @@ def test_features_captured_through_vllm_equal_the_hf_backend(whole_run, tmp_path
     serve = {**SERVE, "extra_args": [*SERVE["extra_args"], "--dtype", "float32"]}
     served = _config(tmp_path, config.target.model, serve=serve, extract={"backend": "vllm", "shard_samples": 64})
     with pytest.raises(StageKilled):  # killed during its second shard: vLLM stopped, one shard kept
-        extract(served, _KillAt("extract", 70))  # 1 + 64 checkpoints per 64-sample shard
+        extract(served, KillAt("extract", 70))  # 1 + 64 checkpoints per 64-sample shard
     assert len(FeaturesIndex.read(served.features_dir).shards) == 1
     index = extract(served, StageContext("extract"))  # resumes at the second shard
     reference = config.features_dir

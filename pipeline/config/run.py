@@ -180,8 +180,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """A vLLM server eagleops starts and supervises for the target: an endpoint for generate, the
-    verifier for eval with `backend = "vllm"`."""
+    """A server eagleops starts and supervises for the target (vLLM: for generate, extract and eval; SGLang: for eval)."""
 
     python: str = setting("", "python of a venv with vLLM installed; default `$EAGLEOPS_VLLM_PYTHON`")
     model: Path | None = setting(None, "the model to serve; default `[target].model`")
@@ -251,6 +250,11 @@ class RunConfig:
         for stage in ("extract", "eval"):
             if getattr(config, stage).backend != "hf" and config.serve is None:
                 raise table.fail(stage, f'backend = "{getattr(config, stage).backend}" needs a [serve] table (how to run the server)')
+        if config.extract.backend == "vllm" and config.serve is not None and config.serve.data_parallel_size > 1:
+            raise table.fail(
+                "extract",
+                'backend = "vllm" captures through one replica: set serve.data_parallel_size = 1 (tensor/pipeline parallel are fine)',
+            )
         if config.serve is not None and config.serve.model is None and config.target is None:
             raise table.fail("serve", "model: name the model to serve (or give a [target] table)")
         if not config.datasets:

@@ -25,12 +25,12 @@ from pipeline.engine.commands import EngineCommands
 from pipeline.engine.datasets import DatasetRunner
 from pipeline.engine.redact import Redactor
 from pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, read_host, scrape_metrics, server_metrics
-from pipeline.errors import RunError
+from pipeline.errors import EagleOpsError, RunError
 from pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
 from pipeline.generate.store import DatasetStore, StoreError
 from pipeline.protocol.control import ControlError, ControlServer, socket_path_for
 from pipeline.protocol.events import DatasetProgress, DatasetState, EndpointStats, Event, LogEvent, StageState, StageStatus
-from pipeline.servers.supervisor import ServerFailed, SupervisedServer
+from pipeline.servers.supervisor import SupervisedServer
 from pipeline.training.context import StageContext, StageKilled
 
 __all__ = ["STAGES", "Engine", "EngineError", "RunSummary"]
@@ -91,6 +91,7 @@ class Engine(EngineCommands):
         self._lock_file: IO[str] | None = None
         self._models = {ep.label: ep.model for ep in config.endpoints}
         self._served: SupervisedServer | None = None  # vLLM serving the target, while it does
+        self._served_failure: str | None = None
 
     # ---- events -------------------------------------------------------------------------------
     def subscribe(self) -> Subscription:
@@ -287,12 +288,15 @@ class Engine(EngineCommands):
         try:
             async with self._served_target():
                 await self._generate(session)
-        except ServerFailed as exc:
+        except EagleOpsError as exc:  # the served target did not start (or cannot be found)
             if self._killed:
                 self._set_stage("generate", StageStatus.KILLED)
                 return
             self.log("error", self.redact(str(exc)))
             self._set_stage("generate", StageStatus.FAILED, self.redact(str(exc))[:200])
+            return
+        if self._served_failure is not None:
+            self._set_stage("generate", StageStatus.FAILED, self._served_failure[:200])
 
     @contextlib.asynccontextmanager
     async def _served_target(self) -> AsyncIterator[None]:
@@ -307,7 +311,8 @@ class Engine(EngineCommands):
         launch = launch_for(self.config)
         log_path = self.config.output_dir / "servers" / "vllm-generate.log"
         server = vllm_server(launch, log_path=log_path, log=lambda level, message: loop.call_soon_threadsafe(self.log, level, message),
-                             startup_timeout_s=serve.startup_timeout_s, max_restarts=serve.max_restarts)  # fmt: skip
+                             startup_timeout_s=serve.startup_timeout_s, max_restarts=serve.max_restarts,
+                             on_failed=lambda reason: loop.call_soon_threadsafe(self._served_target_gone, reason))  # fmt: skip
         self._served = server
         self._set_stage("generate", StageStatus.RUNNING, "starting vLLM")
         self.log(
@@ -323,6 +328,13 @@ class Engine(EngineCommands):
         finally:
             await asyncio.to_thread(server.stop)
             self._served = None
+
+    def _served_target_gone(self, reason: str) -> None:
+        """vLLM died more often than it may be restarted: stop generate (resumable), mark it failed."""
+        self._served_failure = reason
+        for runner in self.runners.values():
+            if runner.task is not None and not runner.task.done():
+                runner.task.cancel()
 
     async def _generate(self, session: aiohttp.ClientSession) -> None:
         self.client = ChatClient(session, self.pool, self.config.sampling, self.config.retry, TokenCounter(self.config.tokenizer))

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.errors import RunError
+from pipeline.servers.supervisor import stop_group
 
 __all__ = ["start_server"]
 
@@ -41,22 +40,10 @@ def start_server(argv: list[str], port_file: Path, *, log_path: Path, timeout_s:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                     break
-            except OSError:
+            except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise
+                    raise RunError(f"server on port {port} never answered /health ({exc}); see {log_path}") from None
                 time.sleep(0.05)
         yield port
     finally:
-        _stop_group(proc)
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group, SIGKILL it if it lingers."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        stop_group(proc)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ def sglang_python(configured: str = "") -> str:
     python = os.environ.get(SGLANG_PYTHON_ENV, "") or configured
     if not python:
         raise ConfigError(f"eval backend sglang: set ${SGLANG_PYTHON_ENV} (or [serve] python) to the python of a venv with SGLang")
+    if shutil.which(python) is None and not Path(python).is_file():
+        raise ConfigError(f"eval backend sglang: {python} not found")
     return python
 
 

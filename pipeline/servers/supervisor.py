@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pipeline.errors import RunError
 
-__all__ = ["LOOPBACK", "ServerFailed", "SupervisedServer", "free_port"]
+__all__ = ["LOOPBACK", "ServerFailed", "SupervisedServer", "free_port", "stop_group"]
 
 LOOPBACK = "127.0.0.1"
 Log = Callable[[str, str], None]  # (level, message)
@@ -65,11 +65,13 @@ class SupervisedServer:
         max_restarts: int = 5,
         backoff_s: float = 2.0,
         health_path: str = "/health",
+        on_failed: Callable[[str], None] = lambda reason: None,
     ):
         self.name, self._argv, self.log_path, self._log = name, argv, log_path, log
         self._env = {**os.environ, **(env or {})}
         self.startup_timeout_s, self.max_restarts, self.backoff_s = startup_timeout_s, max_restarts, backoff_s
         self.health_path = health_path
+        self._on_failed = on_failed
         self.port = free_port()
         self.restarts = 0
         self.failed: str | None = None
@@ -97,12 +99,16 @@ class SupervisedServer:
     def stop(self) -> None:
         self._stopping.set()
         if self._proc is not None:
-            _stop_group(self._proc)
+            stop_group(self._proc)
         if self._watcher is not None:
             self._watcher.join(timeout=30)
 
     def __enter__(self) -> SupervisedServer:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.stop()  # whatever it started goes too
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -154,7 +160,8 @@ class SupervisedServer:
             if self._stopping.is_set():
                 raise ServerFailed(f"{self.name}: stopped while starting")
             if time.monotonic() > deadline:
-                self.stop()
+                if proc is not None:
+                    stop_group(proc)  # not self.stop(): this may be the watcher thread itself
                 raise ServerFailed(f"{self.name} not healthy after {self.startup_timeout_s:.0f}s; see {self.log_path}")
             time.sleep(0.5)
 
@@ -176,6 +183,7 @@ class SupervisedServer:
             if self.restarts >= self.max_restarts:
                 self.failed = f"{self.name} died {self.restarts + 1} times; not restarted again (see {self.log_path})"
                 self._log("error", self.failed)
+                self._on_failed(self.failed)
                 return
             delay = min(60.0, self.backoff_s * 2**self.restarts)
             self.restarts += 1
@@ -191,7 +199,7 @@ class SupervisedServer:
             self._log("info", f"{self.name}: back on {self.base_url}")
 
 
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM the process group (vLLM's engine core and workers are children), then SIGKILL."""
     for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ PYTHON_ENV = "EAGLEOPS_VLLM_PYTHON"  # the python of a venv where vLLM is instal
 
 
 def vllm_python(configured: str = "") -> str:
-    """The python that runs vLLM: the run file's, else $EAGLEOPS_VLLM_PYTHON, else one on PATH."""
+    """The python that runs vLLM: the run file's, else $EAGLEOPS_VLLM_PYTHON."""
     python = configured or os.environ.get(PYTHON_ENV, "")
     if not python:
         raise ConfigError(f"serve.python is not set and neither is ${PYTHON_ENV}: name the python of a venv with vLLM installed")
@@ -62,11 +62,18 @@ class VllmLaunch:
 
 
 def vllm_server(
-    launch: VllmLaunch, *, log_path: Path, log: Log, startup_timeout_s: float = 900.0, max_restarts: int = 3
+    launch: VllmLaunch,
+    *,
+    log_path: Path,
+    log: Log,
+    startup_timeout_s: float = 900.0,
+    max_restarts: int = 3,
+    on_failed: Callable[[str], None] = lambda reason: None,
 ) -> SupervisedServer:
     return SupervisedServer(
-        "vllm", launch.argv, log_path=log_path, log=log, env=launch.env, startup_timeout_s=startup_timeout_s, max_restarts=max_restarts
-    )
+        "vllm", launch.argv, log_path=log_path, log=log, env=launch.env,
+        startup_timeout_s=startup_timeout_s, max_restarts=max_restarts, on_failed=on_failed,
+    )  # fmt: skip
 
 
 def _post(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:

@@ -9,14 +9,16 @@ which hand events to the event loop thread-safely. The same context runs with no
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeline.protocol.events import Event, LogEvent, StageMetrics, StageProgress
+from pipeline.servers.supervisor import ServerFailed, SupervisedServer
 
-__all__ = ["StageContext", "StageKilled"]
+__all__ = ["StageContext", "StageKilled", "serving"]
 
 
 class StageKilled(Exception):
@@ -31,6 +33,7 @@ class StageContext:
         self._running = threading.Event()
         self._running.set()
         self._killed = threading.Event()
+        self._on_kill: list[Callable[[], None]] = []
         self.metrics_log: list[dict[str, Any]] = []
         self.logs: list[tuple[str, str]] = []
         self._started = time.monotonic()
@@ -46,6 +49,11 @@ class StageContext:
     def kill(self) -> None:
         self._killed.set()
         self._running.set()
+        for hook in list(self._on_kill):  # e.g. stop a server still loading: a kill must not wait for it
+            threading.Thread(target=hook, name=f"kill-{self.stage}", daemon=True).start()
+
+    def on_kill(self, hook: Callable[[], None]) -> None:
+        self._on_kill.append(hook)
 
     @property
     def paused(self) -> bool:
@@ -87,3 +95,17 @@ class StageContext:
     def metrics(self, **values: Any) -> None:
         self.metrics_log.append(values)
         self._send(StageMetrics(self.stage, dict(values)))
+
+
+@contextlib.contextmanager
+def serving(server: SupervisedServer, ctx: StageContext) -> Iterator[SupervisedServer]:
+    """A server for the length of a stage's work: a kill stops it even while it loads (then the
+    stage ends killed, not failed), and it is stopped however the work ends."""
+    ctx.on_kill(server.stop)
+    try:
+        with server:
+            yield server
+    except ServerFailed:
+        if ctx.killed:
+            raise StageKilled(ctx.stage) from None
+        raise

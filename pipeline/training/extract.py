@@ -21,7 +21,7 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext
-from pipeline.training.features import ExtractRates, extract_metrics, open_features_index, shard_name, write_feature_shard
+from pipeline.training.features import ExtractRates, extract_metrics, open_features_index, shards_to_do, write_feature_shard
 from pipeline.training.target import load_target, require_target
 
 __all__ = ["extract", "forward_features", "length_batches", "pad_batch"]
@@ -125,10 +125,7 @@ def extract(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
     pending: Future[None] | None = None
     try:
-        for first in range(0, len(samples), per):
-            name = shard_name(first // per)
-            if name in index.shards and (out / name).exists():
-                continue
+        for first, name in shards_to_do(index, out, len(samples), per):
             ctx.checkpoint()
             chunk = samples[first : first + per]
             offsets, aux, final = _compute_shard(model, device, chunk, index, config, ctx, (done_tokens, prepared.tokens), rates)

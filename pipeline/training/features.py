@@ -14,11 +14,17 @@ from pipeline.training.artifacts import FeatureShard, FeaturesIndex, PreparedInd
 from pipeline.training.drafter import eagle3_aux_layers
 from pipeline.training.target import require_target
 
-__all__ = ["ExtractRates", "FeatureShards", "extract_metrics", "open_features_index", "shard_name", "write_feature_shard"]
+__all__ = ["ExtractRates", "FeatureShards", "extract_metrics", "open_features_index", "shard_name", "shards_to_do", "write_feature_shard"]
 
 
 def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
+
+
+def shards_to_do(index: FeaturesIndex, out: Path, samples: int, per_shard: int) -> list[tuple[int, str]]:
+    """(first sample, shard file) of every shard not yet written: where a resumed extract starts."""
+    todo = [(first, shard_name(first // per_shard)) for first in range(0, samples, per_shard)]
+    return [(first, name) for first, name in todo if not (name in index.shards and (out / name).exists())]
 
 
 def write_feature_shard(

@@ -18,7 +18,7 @@ from pipeline.servers.sglang import SglangLaunch, generate_ids, sglang_python
 from pipeline.servers.supervisor import SupervisedServer
 from pipeline.servers.vllm import complete_ids, launch_for, read_metrics, vllm_server
 from pipeline.training.artifacts import EvalResult
-from pipeline.training.context import StageContext
+from pipeline.training.context import StageContext, serving
 
 __all__ = ["evaluate_served", "evaluate_sglang"]
 
@@ -38,7 +38,7 @@ def _decode(
     log_path = config.output_dir / "servers" / f"{name}.log"
     server = vllm_server(launch, log_path=log_path, log=ctx.log, startup_timeout_s=serve.startup_timeout_s, max_restarts=0)
     outputs: list[list[int]] = []
-    with server:
+    with serving(server, ctx):
         before = read_metrics(server.base_url)
         started = time.perf_counter()
         for i, prompt in enumerate(prompts):
@@ -96,7 +96,7 @@ def _sglang_decode(
     server = SupervisedServer(name, launch.argv, log_path=config.output_dir / "servers" / f"{name}.log", log=ctx.log,
                               env=launch.env, startup_timeout_s=serve.startup_timeout_s, max_restarts=0)  # fmt: skip
     outputs, generated, verify_steps = [], 0, 0
-    with server:
+    with serving(server, ctx):
         started = time.perf_counter()
         for i, prompt in enumerate(prompts):
             ctx.checkpoint()

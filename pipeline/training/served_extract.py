@@ -22,8 +22,8 @@ from pipeline.errors import RunError
 from pipeline.servers import vllm_capture
 from pipeline.servers.vllm import complete_ids, launch_for, vllm_server
 from pipeline.training.artifacts import FeaturesIndex, load_prepared
-from pipeline.training.context import StageContext
-from pipeline.training.features import ExtractRates, extract_metrics, open_features_index, shard_name, write_feature_shard
+from pipeline.training.context import StageContext, serving
+from pipeline.training.features import ExtractRates, extract_metrics, open_features_index, shards_to_do, write_feature_shard
 from pipeline.training.target import require_target
 
 __all__ = ["extract_served"]
@@ -102,13 +102,10 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     per = config.extract.shard_samples
     rates = ExtractRates(time.monotonic())
     launch, server = _capture_server(config, ctx)
-    with server:
+    with serving(server, ctx):
         ctx.log("info", f"extract: capturing layers {index.aux_layers} + final through vLLM on {server.base_url}")
         _rpc(server.base_url, "eagleops_capture_start", json.dumps(index.aux_layers))
-        for first in range(0, len(samples), per):
-            name = shard_name(first // per)
-            if name in index.shards and (out / name).exists():
-                continue
+        for first, name in shards_to_do(index, out, len(samples), per):
             ctx.checkpoint()
             chunk = samples[first : first + per]
             t0 = time.perf_counter()
