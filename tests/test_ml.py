@@ -304,6 +304,7 @@ def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
     } <= keys
     assert not any("embed" in k for k in keys)
 
+    print(f"acceptance: trained {trained.acceptance_length}, untrained {untrained.acceptance_length}")
     # a real learning signal, and greedy verification keeps the target's own output
     assert trained.greedy_mismatches == 0 and untrained.greedy_mismatches == 0
     assert untrained.acceptance_length < 1.3

@@ -99,7 +99,7 @@ def _train_tokenizer(directory: Path, vocab_size: int, seed: int) -> None:
     fast.save_pretrained(str(directory))
 
 
-def _pretrain(model, tokenizer, steps: int, seed: int, batch: int = 16, length: int = 96) -> None:
+def _pretrain(model, tokenizer, steps: int, seed: int, think_share: float, batch: int = 16, length: int = 96) -> None:
     import torch
 
     rng = random.Random(seed + 1)
@@ -110,7 +110,7 @@ def _pretrain(model, tokenizer, steps: int, seed: int, batch: int = 16, length: 
         rows = []
         for _ in range(batch):
             reply = {"role": "assistant", "content": sample_text(rng, rng.randint(6, 24))}
-            if rng.random() < 0.9:  # a reasoning target: its answers think first (nearly always)
+            if rng.random() < think_share:  # a reasoning target: some answers think first
                 reply["reasoning_content"] = sample_text(rng, rng.randint(4, 14))
             conversation = [{"role": "user", "content": sample_text(rng, rng.randint(4, 16))}, reply]
             ids = tokenizer.apply_chat_template(conversation, tokenize=True)
@@ -140,6 +140,7 @@ def build_tiny_model(
     init_std: float = 0.2,
     branch_scale: float = 1.0,
     pretrain_steps: int = 0,
+    think_share: float = 0.3,
 ) -> Path:
     """Write a tokenizer + random-weight LlamaForCausalLM to ``directory`` (once; cached).
 
@@ -156,7 +157,7 @@ def build_tiny_model(
         "vocab_size": vocab_size, "hidden_size": hidden_size, "layers": layers, "heads": heads,
         "kv_heads": kv_heads, "intermediate_size": intermediate_size, "max_positions": max_positions,
         "seed": seed, "stop_bias": stop_bias, "init_std": init_std, "branch_scale": branch_scale,
-        "pretrain_steps": pretrain_steps, "template": TEMPLATE_VERSION,
+        "pretrain_steps": pretrain_steps, "template": TEMPLATE_VERSION, "think_share": think_share,
     }  # fmt: skip
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return directory
@@ -193,7 +194,7 @@ def build_tiny_model(
         if stop_bias:
             model.lm_head.weight[tokenizer.eos_token_id] *= stop_bias
     if pretrain_steps:
-        _pretrain(model, tokenizer, pretrain_steps, seed)
+        _pretrain(model, tokenizer, pretrain_steps, seed, think_share)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(directory))
