@@ -489,3 +489,15 @@ def test_the_real_program_in_a_terminal(tmp_path, fault_server):
         assert exit_file.read_text().strip() == "130"
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+async def test_no_color_terminals_get_a_working_console(monkeypatch):
+    """NO_COLOR=1 turns on Textual's monochrome filter, which reads every segment's style."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    app = EagleOpsApp(ScriptedLink(fixed_events()))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        await pilot.press("down")
+        await _settle(pilot)
+        assert app.query_one(DatasetsTable).selected == "B2"
+        assert app.is_running

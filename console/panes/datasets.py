@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual.events import Click
@@ -112,7 +113,9 @@ class DatasetsTable(Widget, can_focus=True):
                 value.pad_right(col_width - value.cell_len)
             line.append_text(value)
             line.append("  ")
-        segments = list(line.render(self.app.console))
+        # every segment styled: Textual's NO_COLOR filter reads each segment's style and would
+        # crash on the bare ones Rich emits for padding
+        segments = [Segment(text, style or Style.null(), control) for text, style, control in line.render(self.app.console)]
         return Strip(segments).crop_extend(0, width, style)
 
     def render_line(self, y: int) -> Strip:

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError
-from pipeline.servers.supervisor import LOOPBACK
+from pipeline.servers.supervisor import LOOPBACK, checked_python
 
 __all__ = ["SGLANG_PYTHON_ENV", "SglangLaunch", "generate_ids", "sglang_python"]
 
@@ -25,12 +23,8 @@ SGLANG_PYTHON_ENV = "EAGLEOPS_SGLANG_PYTHON"
 
 
 def sglang_python(configured: str = "") -> str:
-    python = os.environ.get(SGLANG_PYTHON_ENV, "") or configured
-    if not python:
-        raise ConfigError(f"eval backend sglang: set ${SGLANG_PYTHON_ENV} (or [serve] python) to the python of a venv with SGLang")
-    if shutil.which(python) is None and not Path(python).is_file():
-        raise ConfigError(f"eval backend sglang: {python} not found")
-    return python
+    missing = f"eval backend sglang: set ${SGLANG_PYTHON_ENV} (or [serve] python) to the python of a venv with SGLang"
+    return checked_python(os.environ.get(SGLANG_PYTHON_ENV, "") or configured, missing, "eval backend sglang")
 
 
 @dataclass(frozen=True)

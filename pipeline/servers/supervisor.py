@@ -13,6 +13,7 @@ import collections
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,9 +23,9 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pipeline.errors import RunError
+from pipeline.errors import ConfigError, RunError
 
-__all__ = ["LOOPBACK", "ServerFailed", "SupervisedServer", "free_port", "stop_group"]
+__all__ = ["LOOPBACK", "ServerFailed", "SupervisedServer", "checked_python", "free_port", "stop_group"]
 
 LOOPBACK = "127.0.0.1"
 Log = Callable[[str, str], None]  # (level, message)
@@ -32,6 +33,15 @@ Log = Callable[[str, str], None]  # (level, message)
 
 class ServerFailed(RunError):
     """The server did not come up, or died more often than it may be restarted."""
+
+
+def checked_python(python: str, missing: str, where: str) -> str:
+    """A server's python as configured: ``missing`` says how to name one, ``where`` whose it is."""
+    if not python:
+        raise ConfigError(missing)
+    if shutil.which(python) is None and not Path(python).is_file():
+        raise ConfigError(f"{where}: {python} not found")
+    return python
 
 
 def free_port() -> int:

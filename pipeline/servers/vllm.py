@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.errors import ConfigError
-from pipeline.servers.supervisor import LOOPBACK, Log, SupervisedServer
+from pipeline.servers.supervisor import LOOPBACK, Log, SupervisedServer, checked_python
 
 __all__ = ["PYTHON_ENV", "VllmLaunch", "complete_ids", "launch_for", "read_metrics", "vllm_python", "vllm_server"]
 
@@ -25,12 +24,8 @@ PYTHON_ENV = "EAGLEOPS_VLLM_PYTHON"  # the python of a venv where vLLM is instal
 
 def vllm_python(configured: str = "") -> str:
     """The python that runs vLLM: the run file's, else $EAGLEOPS_VLLM_PYTHON."""
-    python = configured or os.environ.get(PYTHON_ENV, "")
-    if not python:
-        raise ConfigError(f"serve.python is not set and neither is ${PYTHON_ENV}: name the python of a venv with vLLM installed")
-    if shutil.which(python) is None and not Path(python).is_file():
-        raise ConfigError(f"serve.python: {python} not found")
-    return python
+    missing = f"serve.python is not set and neither is ${PYTHON_ENV}: name the python of a venv with vLLM installed"
+    return checked_python(configured or os.environ.get(PYTHON_ENV, ""), missing, "serve.python")
 
 
 @dataclass(frozen=True)
