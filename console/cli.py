@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         return _die(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `eagleops status --json | head -1`: the reader had what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's exit flush does not fail again
+        return 0
 
 
 if __name__ == "__main__":

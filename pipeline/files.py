@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-__all__ = ["fsync_dir", "write_json_atomic"]
+__all__ = ["fsync_dir", "try_lock", "write_json_atomic"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -25,9 +27,32 @@ def fsync_dir(path: Path) -> None:
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(json.dumps(payload, ensure_ascii=False, indent=1).encode("utf-8"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(json.dumps(payload, ensure_ascii=False, indent=1, allow_nan=False).encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a half-written temporary would only hold the space a full disk needs
+        raise
     fsync_dir(path.parent)
+
+
+def try_lock(path: Path) -> tuple[IO[str] | None, str]:
+    """An exclusive lock on ``path`` held while the returned file stays open, with our pid in it;
+    (None, the holder's pid) when another process holds it. Opened without truncating: a
+    refused process must not erase the holder's pid."""
+    lock = open(path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip()
+        lock.close()
+        return None, holder if holder.isdigit() else ""
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock, ""

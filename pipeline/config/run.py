@@ -86,6 +86,9 @@ class RetryConfig:
     base_delay_s: float = setting(0.5, "first backoff ceiling, doubled per attempt", check=finite_at_least(0))
     max_delay_s: float = setting(30.0, "backoff ceiling", check=finite_at_least(0))
     timeout_s: float = setting(600.0, "one request's time limit", check=Check(lambda v: v > 0, "must be positive"))
+    max_reply_mb: float = setting(
+        32.0, "a reply larger than this is refused (and retried) unread", check=Check(lambda v: v > 0, "must be positive")
+    )
 
 
 @dataclass(frozen=True)

@@ -94,27 +94,27 @@ class EngineCommands:
         old = runner.budget
         runner.budget = tokens
         runner.store.budget_override = tokens
-        await self.flush_store(runner.store, force_manifest=True)
+        saved = await self.save(runner, force_manifest=True)
         runner.wake()
-        note = ""
+        note = "" if saved else f" (not saved yet: {runner.storage_error})"
         if tokens > old and runner.state == DatasetState.DONE and not runner.at_limit() and not self._killed:
             if runner.reason.startswith("budget"):
                 runner.reason = ""
                 self._start(runner)
-                note = "; dataset resumed"
+                note += "; dataset resumed"
         elif tokens < old and runner.in_flight:
             if self.config.cancel_in_flight_over_budget and runner.store.accepted.tokens >= tokens:
                 runner.cancel_requests()
-                note = f"; cancelled {runner.in_flight} in flight"
+                note += f"; cancelled {runner.in_flight} in flight"
             else:
-                note = f"; no new requests, {runner.in_flight} in flight finish"
+                note += f"; no new requests, {runner.in_flight} in flight finish"
         self.publish(runner.progress())
         return Ack(True, f"budget {runner.config.name}: {format_tokens(old)} -> {format_tokens(tokens)}{note}")
 
     async def _kill_runner(self, runner: DatasetRunner) -> None:
         task = runner.task
         if task is not None and not task.done():
-            task.cancel()
+            runner.stop()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
@@ -126,8 +126,7 @@ class EngineCommands:
         if self._stage_ctx is not None:
             self._stage_ctx.kill()
         for runner in self.runners.values():
-            if runner.task is not None and not runner.task.done():
-                runner.task.cancel()
+            runner.stop()
         if self._served is not None:  # a vLLM still loading would hold the kill for minutes
             threading.Thread(target=self._served.stop, name="stop-vllm", daemon=True).start()
         self._changed.set()

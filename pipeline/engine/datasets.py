@@ -4,6 +4,7 @@ while its token budget has room, records every outcome in its crash-safe store."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["DatasetRunner"]
 
 FLUSH_RECORDS = 256  # buffered records that trigger a flush before the interval is up
+_STORAGE_RETRY_MAX_S = 15.0
 _READ_BATCH = 256
 
 
@@ -37,6 +39,10 @@ class DatasetRunner:
         self._requests: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
         self._exhausted = False
+        self.storage_error: str | None = None  # why the last save failed, until one succeeds
+        self._storage_failures = 0
+        self._storage_retry_at = 0.0
+        self._stopping = False  # killed: the final save stops waiting for a full disk
 
     # ---- budget arithmetic ------------------------------------------------------------------
     def _estimate(self) -> float:
@@ -70,6 +76,7 @@ class DatasetRunner:
 
     # ---- the run ------------------------------------------------------------------------------
     async def run(self) -> None:
+        self._stopping = False
         self.store.rewind_to_watermark()
         self._exhausted = False
         if self.at_limit():
@@ -85,7 +92,7 @@ class DatasetRunner:
         except* OSError as errors:
             failure = f"{self.config.path}: {errors.exceptions[0]}"
         finally:
-            await asyncio.shield(self.engine.flush_store(self.store))
+            await asyncio.shield(self._save_before_finishing())
         if failure is not None:
             self._finish(DatasetState.FAILED, failure)
             return
@@ -126,7 +133,7 @@ class DatasetRunner:
         """Wait for a slot; False once this dataset should stop issuing (budget or cap reached)."""
         slots = self.engine.slots
         while True:
-            if self.paused:
+            if self.paused or self.storage_error is not None:
                 self._set(DatasetState.PAUSED)
                 await self._wait()
                 continue
@@ -137,7 +144,7 @@ class DatasetRunner:
                 continue
             self._set(DatasetState.RUNNING)
             await slots.acquire()
-            if self.paused or not self._room():
+            if self.paused or self.storage_error is not None or not self._room():
                 slots.release()
                 continue
             return True
@@ -146,15 +153,17 @@ class DatasetRunner:
         self.store.dispatched(item)
         self.store.add_failure(
             item,
-            {
-                "id": f"line:{item.line}",
-                "kind": "bad_line",
-                "dataset": self.config.name,
-                "source_offset": item.offset,
-                "source_line": item.line,
-                "field": item.field,
-                "reason": item.message,
-            },
+            self.engine.redact.scrub(
+                {
+                    "id": f"line:{item.line}",
+                    "kind": "bad_line",
+                    "dataset": self.config.name,
+                    "source_offset": item.offset,
+                    "source_line": item.line,
+                    "field": item.field,
+                    "reason": item.message,
+                }
+            ),
         )
         self.engine.log("error", item.message, self.config.name)
 
@@ -165,23 +174,12 @@ class DatasetRunner:
             else:
                 completion = await self.engine.client.complete(prompt.messages, thinking=self.thinking)
                 conversation, written = [*prompt.messages, assistant_turn(completion)], [len(prompt.messages)]
+            self.store.add_record(prompt, self.engine.redact.scrub(self._record(prompt, conversation, completion, written)))
         except PermanentFailure as exc:
-            reason = self.engine.redact(exc.reason)
-            self.store.add_failure(
-                prompt,
-                {
-                    "id": prompt.prompt_id,
-                    "kind": "request",
-                    "dataset": self.config.name,
-                    "source_offset": prompt.offset,
-                    "source_line": prompt.line,
-                    "reason": reason,
-                    "attempts": exc.attempts,
-                },
-            )
-            self.engine.log("error", f"{self.config.path.name}:{prompt.line} ({prompt.prompt_id}): {reason}", self.config.name)
+            self._request_failed(prompt, exc.reason, exc.attempts)
+        except Exception as exc:  # whatever it is, it is this row's: recorded, and the dataset goes on
+            self._request_failed(prompt, f"{type(exc).__name__}: {exc}", None)
         else:
-            self.store.add_record(prompt, self._record(prompt, conversation, completion, written))
             self.meter.add(completion.completion_tokens)
             if self.engine.config.cancel_in_flight_over_budget and self.store.accepted.tokens >= self.budget:
                 self.cancel_requests()
@@ -191,6 +189,22 @@ class DatasetRunner:
             self.wake()
             if self.store.buffered() >= FLUSH_RECORDS:
                 self.engine.request_flush()
+
+    def _request_failed(self, prompt: Prompt, reason: str, attempts: int | None) -> None:
+        reason = self.engine.redact(reason).encode("utf-8", "backslashreplace").decode("utf-8")
+        self.store.add_failure(
+            prompt,
+            {
+                "id": prompt.prompt_id,
+                "kind": "request",
+                "dataset": self.config.name,
+                "source_offset": prompt.offset,
+                "source_line": prompt.line,
+                "reason": reason,
+                "attempts": attempts,
+            },
+        )
+        self.engine.log("error", f"{self.config.path.name}:{prompt.line} ({prompt.prompt_id}): {reason}", self.config.name)
 
     def _record(self, prompt: Prompt, conversation: list[dict[str, Any]], completion: Completion, written: list[int]) -> dict[str, Any]:
         record = {
@@ -218,9 +232,53 @@ class DatasetRunner:
             record["completion_token_ids"] = list(completion.token_ids)
         return record
 
+    def stop(self) -> None:
+        """Kill this dataset: in-flight requests cancelled, finished work kept (resumable)."""
+        if self.task is not None and not self.task.done():
+            self._stopping = True
+            self.task.cancel()
+            self.wake()
+
     def cancel_requests(self) -> None:
         for task in list(self._requests):
             task.cancel()
+
+    # ---- storage faults ---------------------------------------------------------------------
+    def storage_failed(self, message: str) -> None:
+        """A save failed: stop issuing (what is in flight finishes into memory) and retry later."""
+        self._storage_failures += 1
+        self._storage_retry_at = self.engine.clock() + min(_STORAGE_RETRY_MAX_S, 0.25 * 2**self._storage_failures)
+        if message != self.storage_error:
+            self.engine.log(
+                "error",
+                f"{self.config.name}: cannot save: {message}; paused with {self.store.buffered()} finished records in memory, retrying",
+                self.config.name,
+            )
+        self.storage_error = message
+        if not self.state.terminal:
+            self.reason = f"cannot save: {message}"
+            self.state = DatasetState.PAUSED
+            self.engine.publish(self.progress())
+
+    def storage_recovered(self) -> None:
+        self.engine.log("info", f"{self.config.name}: saving again after {self._storage_failures} failed tries; resumed", self.config.name)
+        self.storage_error, self._storage_failures = None, 0
+        if not self.state.terminal:
+            self.reason = ""
+            self._set(DatasetState.PAUSED if self.paused else DatasetState.RUNNING)
+        self.wake()
+
+    def storage_retry_due(self) -> bool:
+        return self.storage_error is None or self.engine.clock() >= self._storage_retry_at
+
+    async def _save_before_finishing(self) -> None:
+        """Everything this dataset finished is saved before it ends, however long the disk
+        stays full; a kill ends the wait (the unsaved records are made again on resume)."""
+        while not await self.engine.save(self, force_manifest=True):
+            if self._stopping:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wait(), max(0.05, self._storage_retry_at - self.engine.clock()))
 
     # ---- state --------------------------------------------------------------------------------
     def _set(self, state: DatasetState) -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -23,13 +21,14 @@ from pipeline.config import ALL_STAGES, EndpointConfig, RunConfig, format_tokens
 from pipeline.engine.bus import EventBus, Subscription
 from pipeline.engine.commands import EngineCommands
 from pipeline.engine.datasets import DatasetRunner
-from pipeline.engine.redact import Redactor
 from pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, read_host, scrape_metrics, server_metrics
 from pipeline.errors import EagleOpsError, RunError
+from pipeline.files import try_lock
 from pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
-from pipeline.generate.store import DatasetStore, StoreError
+from pipeline.generate.store import DatasetStore, StoreError, WriteFailed
 from pipeline.protocol.control import ControlError, ControlServer, socket_path_for
 from pipeline.protocol.events import DatasetProgress, DatasetState, EndpointStats, Event, LogEvent, StageState, StageStatus
+from pipeline.protocol.redact import Redactor
 from pipeline.servers.supervisor import SupervisedServer
 from pipeline.training.context import StageContext, StageKilled
 
@@ -83,7 +82,7 @@ class Engine(EngineCommands):
         self.stage_results: dict[str, object] = {}
         self._stage_ctx: StageContext | None = None
         self.slots = asyncio.Semaphore(config.concurrency)
-        self.pool = EndpointPool(config.endpoints)
+        self.pool = self._pool(config.endpoints)
         self.client: ChatClient  # set in run()
         self._flush_now = asyncio.Event()
         self._changed = asyncio.Event()
@@ -123,23 +122,11 @@ class Engine(EngineCommands):
         return server
 
     def endpoint_stats(self) -> list[EndpointStats]:
-        stats = []
-        for ep in self.pool.endpoints:
-            lat = sorted(ep.latencies)
-            req_s, tok_s = ep.meter.rates()
-            stats.append(
-                EndpointStats(
-                    url=ep.config.label,
-                    in_flight=ep.in_flight,
-                    requests=ep.requests,
-                    errors=ep.errors,
-                    req_per_s=round(req_s, 3),
-                    tok_per_s=round(tok_s, 1),
-                    latency_p50_s=round(lat[len(lat) // 2], 4) if lat else None,
-                    latency_p95_s=round(lat[min(len(lat) - 1, int(len(lat) * 0.95))], 4) if lat else None,
-                )
-            )
-        return stats
+        return self.pool.stats()
+
+    def _pool(self, endpoints: tuple[EndpointConfig, ...]) -> EndpointPool:
+        retry = self.config.retry
+        return EndpointPool(endpoints, base_bench_s=max(0.05, retry.base_delay_s), max_bench_s=max(0.05, retry.max_delay_s))
 
     def model_for(self, label: str) -> str:
         return self._models.get(label, "")
@@ -162,12 +149,17 @@ class Engine(EngineCommands):
     def request_flush(self) -> None:
         self._flush_now.set()
 
-    async def flush_store(self, store: DatasetStore, *, force_manifest: bool = False) -> None:
+    async def save(self, runner: DatasetRunner, *, force_manifest: bool = False) -> bool:
+        """Make one dataset's finished records durable. A failed write pauses the dataset (its
+        records stay in memory) until a later try, with backoff, succeeds."""
         try:
-            await store.flush(force_manifest=force_manifest)
-        except OSError as exc:
-            self.log("error", f"{store.directory}: write failed: {exc}", store.name)
-            raise
+            await runner.store.flush(force_manifest=force_manifest)
+        except WriteFailed as exc:
+            runner.storage_failed(self.redact(str(exc)))
+            return False
+        if runner.storage_error is not None:
+            runner.storage_recovered()
+        return True
 
     async def _flusher(self) -> None:
         while True:
@@ -175,8 +167,8 @@ class Engine(EngineCommands):
                 await asyncio.wait_for(self._flush_now.wait(), self.config.flush_interval_s)
             self._flush_now.clear()
             for runner in self.runners.values():
-                if runner.store.buffered():
-                    await self.flush_store(runner.store)
+                if runner.store.unsaved() and runner.storage_retry_due():
+                    await self.save(runner)
 
     async def _ticker(self) -> None:
         while True:
@@ -214,14 +206,10 @@ class Engine(EngineCommands):
 
     def _lock_output(self) -> None:
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(self.config.output_dir / ".lock", "w")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            raise EngineError(f"{self.config.output_dir}: another eagleops run is using this output directory") from None
-        lock.write(f"{os.getpid()}\n")
-        lock.flush()
+        lock, holder = try_lock(self.config.output_dir / ".lock")
+        if lock is None:
+            who = f" (pid {holder})" if holder else ""
+            raise EngineError(f"{self.config.output_dir}: another eagleops run{who} is using this output directory")
         self._lock_file = lock
 
     async def open(self) -> None:
@@ -322,7 +310,7 @@ class Engine(EngineCommands):
         try:
             await asyncio.to_thread(server.start)
             endpoint = EndpointConfig(base_url=f"{server.base_url}/v1", model=launch.served_name, kind="vllm")
-            self.pool = EndpointPool((*self.config.endpoints, endpoint))
+            self.pool = self._pool((*self.config.endpoints, endpoint))
             self._models[endpoint.label] = endpoint.model
             yield
         finally:
@@ -333,12 +321,15 @@ class Engine(EngineCommands):
         """vLLM died more often than it may be restarted: stop generate (resumable), mark it failed."""
         self._served_failure = reason
         for runner in self.runners.values():
-            if runner.task is not None and not runner.task.done():
-                runner.task.cancel()
+            runner.stop()
 
     async def _generate(self, session: aiohttp.ClientSession) -> None:
-        self.client = ChatClient(session, self.pool, self.config.sampling, self.config.retry, TokenCounter(self.config.tokenizer))
+        self.client = ChatClient(
+            session, self.pool, self.config.sampling, self.config.retry, TokenCounter(self.config.tokenizer), redact=self.redact
+        )
         self.client.on_retry = lambda reason, delay: self.log("warning", f"retry in {delay:.1f}s: {reason}")
+        self.client.on_warning = lambda message: self.log("warning", message)
+        self.pool.on_health = self.log
         self._set_stage("generate", StageStatus.RUNNING)
         helpers = [asyncio.create_task(self._flusher(), name="flusher"), asyncio.create_task(self._ticker(), name="ticker")]
         try:
@@ -361,7 +352,10 @@ class Engine(EngineCommands):
                 task.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
             for runner in self.runners.values():
-                await asyncio.shield(self.flush_store(runner.store, force_manifest=True))
+                if not await asyncio.shield(self.save(runner, force_manifest=True)) and runner.store.buffered():
+                    self.log(
+                        "error", f"{runner.config.name}: {runner.store.buffered()} finished records not saved; a resume makes them again"
+                    )
         for event in [*(r.progress() for r in self.runners.values()), *self.endpoint_stats()]:
             self.publish(event)  # the final numbers, with nothing left in flight
         states = [r.state for r in self.runners.values()]

@@ -44,6 +44,22 @@ def install_kill_signals(engine: Engine) -> None:
 
 
 async def _print_events(engine: Engine, out: TextIO, as_json: bool, every_s: float) -> None:
+    """Print until the run ends; a reader that goes away (``| head``) stops the printing, not the run."""
+    try:
+        await _print_loop(engine, out, as_json, every_s)
+    except BrokenPipeError:
+        _silence(out)
+
+
+def _silence(out: TextIO) -> None:
+    """Point ``out`` at /dev/null, so later writes and the interpreter's exit flush succeed."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+        os.close(devnull)
+
+
+async def _print_loop(engine: Engine, out: TextIO, as_json: bool, every_s: float) -> None:
     latest: dict[str, DatasetProgress] = {}
     last_states: dict[str, DatasetState] = {}
     last_print = time.monotonic()

@@ -13,16 +13,17 @@ import json
 import math
 import random
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from pipeline.config import EndpointConfig, RetryConfig, SamplingConfig
+from pipeline.config import RetryConfig, SamplingConfig
 from pipeline.errors import EagleOpsError
+from pipeline.generate.endpoints import EndpointPool, EndpointState, RateMeter
 from pipeline.generate.replies import MalformedReply, Reply, parse_reply, request_fields
+from pipeline.protocol.redact import Redactor
 
 __all__ = [
     "ChatClient",
@@ -33,6 +34,9 @@ __all__ = [
     "TokenCounter",
     "retry_after_seconds",
 ]
+
+_ERROR_BODY_READ = 64 * 1024  # of an error reply: redacted whole, then cut to _ERROR_SNIPPET
+_ERROR_SNIPPET = 300
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504, 520, 522, 524}
 
@@ -84,76 +88,6 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     return max(0.0, when.timestamp() - (now if now is not None else time.time()))
 
 
-class RateMeter:
-    """Events and amounts per second over a sliding window."""
-
-    def __init__(self, window_s: float = 30.0, clock=time.monotonic):
-        self.window_s, self.clock = window_s, clock
-        self._events: deque[tuple[float, float]] = deque()
-        self._sum = 0.0
-        self.started = clock()
-
-    def add(self, amount: float = 0.0) -> None:
-        self._events.append((self.clock(), amount))
-        self._sum += amount
-        self._trim()
-
-    def _trim(self) -> None:
-        cutoff = self.clock() - self.window_s
-        while self._events and self._events[0][0] < cutoff:
-            self._sum -= self._events.popleft()[1]
-
-    def rates(self) -> tuple[float, float]:
-        self._trim()
-        span = min(self.window_s, max(1e-9, self.clock() - self.started))
-        return len(self._events) / span, self._sum / span
-
-
-class _EndpointState:
-    __slots__ = ("config", "in_flight", "requests", "errors", "latencies", "meter", "key", "url")
-
-    def __init__(self, config: EndpointConfig):
-        self.config = config
-        self.url = f"{config.base_url}/chat/completions"
-        self.key = config.api_key()
-        self.in_flight = 0
-        self.requests = 0
-        self.errors = 0
-        self.latencies: deque[float] = deque(maxlen=512)
-        self.meter = RateMeter()
-
-    def has_room(self) -> bool:
-        cap = self.config.max_concurrency
-        return cap is None or self.in_flight < cap
-
-
-class EndpointPool:
-    """Least-in-flight choice among endpoints, honouring each one's own concurrency cap."""
-
-    def __init__(self, endpoints: tuple[EndpointConfig, ...]):
-        self.endpoints = [_EndpointState(ep) for ep in endpoints]
-        self._room = asyncio.Event()
-        self._turn = 0
-
-    async def acquire(self) -> _EndpointState:
-        while True:
-            open_ = [ep for ep in self.endpoints if ep.has_room()]
-            if open_:
-                least = min(ep.in_flight for ep in open_)
-                ties = [ep for ep in open_ if ep.in_flight == least]
-                self._turn += 1
-                chosen = ties[self._turn % len(ties)]
-                chosen.in_flight += 1
-                return chosen
-            self._room.clear()
-            await self._room.wait()
-
-    def release(self, endpoint: _EndpointState) -> None:
-        """Synchronous, so it also runs inside a cancelled task's cleanup."""
-        endpoint.in_flight -= 1
-        self._room.set()
-
-
 class TokenCounter:
     """Counts completion tokens locally when a server reports no usage."""
 
@@ -202,13 +136,17 @@ class ChatClient:
         counter: TokenCounter,
         *,
         rng: random.Random | None = None,
+        redact: Redactor | None = None,
     ):
         self.session, self.pool, self.sampling, self.retry, self.counter = session, pool, sampling, retry, counter
         self.rng = rng or random.Random()
+        self.redact = redact or Redactor([])
+        self.max_reply_bytes = int(retry.max_reply_mb * 2**20)
+        self.on_warning = None  # callable(message: str): a server's numbers not trusted
         self._timeout = aiohttp.ClientTimeout(total=retry.timeout_s, sock_connect=min(30.0, retry.timeout_s))
         self.on_retry = None  # callable(reason: str, delay: float) for logging
 
-    def _body(self, endpoint: _EndpointState, messages: tuple[dict[str, Any], ...], thinking: str) -> bytes:
+    def _body(self, endpoint: EndpointState, messages: tuple[dict[str, Any], ...], thinking: str) -> bytes:
         ep = endpoint.config
         body = {
             "model": ep.model,
@@ -224,24 +162,28 @@ class ChatClient:
     def backoff(self, attempt: int, retry_after: float | None) -> float:
         ceiling = min(self.retry.max_delay_s, self.retry.base_delay_s * (2 ** (attempt - 1)))
         delay = self.rng.uniform(0.0, ceiling)  # full jitter: retries of a burst spread out
-        if retry_after is not None:
-            delay = max(delay, min(retry_after, max(self.retry.max_delay_s, retry_after)))
+        if retry_after is not None:  # honoured, but never past our own ceiling: a slot held a day is a hang
+            delay = max(delay, min(retry_after, self.retry.max_delay_s))
         return delay
 
     async def complete(self, messages: tuple[dict[str, Any], ...], *, thinking: str = "keep") -> Completion:
         started = time.monotonic()
         attempt = 0
+        previous: EndpointState | None = None
         while True:
             attempt += 1
-            endpoint = await self.pool.acquire()
+            endpoint = await self.pool.acquire(avoid=previous)
             try:
                 reply = await self._attempt(endpoint, messages, thinking)
+                self.pool.succeeded(endpoint)
                 break
             except _Retryable as exc:
-                endpoint.errors += 1
+                retry_after = min(exc.retry_after, self.retry.max_delay_s) if exc.retry_after is not None else None
+                self.pool.failed(endpoint, exc.reason, retry_after)
                 if attempt >= self.retry.max_attempts:
                     raise PermanentFailure(f"{exc.reason} (gave up after {attempt} attempts)", attempt) from None
-                delay = self.backoff(attempt, exc.retry_after)
+                # another healthy endpoint takes the retry at once; the same one only after a backoff
+                delay = 0.0 if self.pool.healthy_other_than(endpoint) else self.backoff(attempt, retry_after)
                 if self.on_retry is not None:
                     self.on_retry(f"{endpoint.config.label}: {exc.reason}", delay)
             except PermanentFailure as exc:
@@ -249,8 +191,9 @@ class ChatClient:
                 raise PermanentFailure(exc.reason, attempt) from None
             finally:
                 self.pool.release(endpoint)
+            previous = endpoint
             await asyncio.sleep(delay)
-        completion_tokens, source = reply.completion_tokens, "server"
+        completion_tokens, source = self._trusted_count(reply, endpoint), "server"
         generated = (reply.reasoning or "") + reply.text
         if completion_tokens is None:
             if self.counter.available:
@@ -275,7 +218,20 @@ class ChatClient:
             token_ids=reply.token_ids,
         )
 
-    async def _attempt(self, endpoint: _EndpointState, messages: tuple[dict[str, Any], ...], thinking: str) -> Reply:
+    def _trusted_count(self, reply: Reply, endpoint: EndpointState) -> int | None:
+        """The server's completion_tokens, unless no server could have generated that many: then
+        None, and the reply is counted here (a bad count would spend or fake a whole budget)."""
+        count = reply.completion_tokens
+        limit = 2 * self.sampling.max_tokens + 16  # slack for servers that count thinking apart
+        if count is None or count <= limit:
+            return count
+        if self.on_warning is not None:
+            self.on_warning(
+                f"{endpoint.config.label}: reported {count} completion tokens for max_tokens {self.sampling.max_tokens}; counted locally"
+            )
+        return None
+
+    async def _attempt(self, endpoint: EndpointState, messages: tuple[dict[str, Any], ...], thinking: str) -> Reply:
         headers = {"Content-Type": "application/json"}
         if endpoint.key:
             headers["Authorization"] = f"Bearer {endpoint.key}"
@@ -285,7 +241,8 @@ class ChatClient:
             response = await self.session.post(
                 endpoint.url, data=self._body(endpoint, messages, thinking), headers=headers, timeout=self._timeout
             )
-            raw = await response.read()
+            limit = _ERROR_BODY_READ if response.status != 200 else self.max_reply_bytes
+            raw = await _read_capped(response, limit, truncate=response.status != 200)
         except TimeoutError:
             raise _Retryable(f"timed out after {self.retry.timeout_s:g}s") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
@@ -299,7 +256,7 @@ class ChatClient:
                 response.release()
         status = response.status
         if status != 200:
-            snippet = raw[:300].decode("utf-8", "replace").strip()
+            snippet = self.redact(raw.decode("utf-8", "replace")).strip()[:_ERROR_SNIPPET]
             reason = f"HTTP {status}: {snippet}" if snippet else f"HTTP {status}"
             if status in _RETRY_STATUS:
                 raise _Retryable(reason, retry_after_seconds(response.headers.get("Retry-After")))
@@ -311,6 +268,23 @@ class ChatClient:
         endpoint.requests += 1
         endpoint.latencies.append(time.monotonic() - sent)
         return reply
+
+
+async def _read_capped(response: aiohttp.ClientResponse, limit: int, *, truncate: bool) -> bytes:
+    """The body, but never more than ``limit`` bytes in memory: a larger error body is cut, a
+    larger reply is refused (a runaway server cannot take the engine's memory)."""
+    declared = response.content_length
+    if declared is not None and declared > limit and not truncate:
+        raise _Retryable(f"reply of {declared} bytes is over the {limit}-byte limit (retry.max_reply_mb)")
+    chunks, size = [], 0
+    async for chunk in response.content.iter_chunked(1 << 16):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            if truncate:
+                break
+            raise _Retryable(f"reply over the {limit}-byte limit (retry.max_reply_mb)")
+    return b"".join(chunks)[:limit] if truncate else b"".join(chunks)
 
 
 def _reasoning_share(reply: Reply, completion_tokens: int) -> int:

@@ -93,5 +93,5 @@ def parse_reply(raw: bytes) -> Reply:
         completion_tokens=_count(usage.get("completion_tokens")),
         reasoning_tokens=_count(details.get("reasoning_tokens")) if isinstance(details, dict) else None,
         token_ids=token_ids,
-        cost=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) else None,
+        cost=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) and cost >= 0 else None,
     )

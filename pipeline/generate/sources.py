@@ -65,6 +65,23 @@ class RowError(InputError):
         self.field, self.reason = field, reason
 
 
+def _text(value: str, where: str) -> str:
+    """JSON can carry a lone surrogate (``"\\ud83d"``) that no UTF-8 file or request can."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RowError(where, f"not valid Unicode: lone surrogate {value[exc.start]!r} at character {exc.start}") from None
+    return value
+
+
+def _json_text(value: Any, where: str) -> Any:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, TypeError, ValueError) as exc:
+        raise RowError(where, f"not encodable: {exc}") from None
+    return value
+
+
 def prompt_id_for(messages: tuple[dict[str, Any], ...]) -> str:
     canonical = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     return "h" + hashlib.blake2b(canonical.encode("utf-8"), digest_size=12).hexdigest()
@@ -89,7 +106,8 @@ def _turns(raw: Any, key: str) -> list[dict[str, Any]]:
             content = ""  # a turn that only calls tools
         if not isinstance(content, str):
             raise RowError(f"{where}.content", "missing or not a string")
-        turns.append({"role": mapped, "content": content, **{k: turn[k] for k in _TOOL_KEYS if k in turn}})
+        tools = {k: _json_text(turn[k], f"{where}.{k}") for k in _TOOL_KEYS if k in turn}
+        turns.append({"role": mapped, "content": _text(content, f"{where}.content"), **tools})
     return turns
 
 
@@ -107,10 +125,10 @@ def parse_row(row: Any, fmt: str, id_field: str, regenerate: str = "last") -> tu
         text = row.get("prompt")
         if not isinstance(text, str) or not text.strip():
             raise RowError("prompt", "missing or empty")
-        turns = [{"role": "user", "content": text}]
+        turns = [{"role": "user", "content": _text(text, "prompt")}]
         system = row.get("system")
         if isinstance(system, str) and system:
-            turns.insert(0, {"role": "system", "content": system})
+            turns.insert(0, {"role": "system", "content": _text(system, "system")})
     else:
         if fmt not in row:
             raise RowError(fmt, "missing")
@@ -124,7 +142,7 @@ def parse_row(row: Any, fmt: str, id_field: str, regenerate: str = "last") -> tu
     messages = tuple(turns if regenerate == "all" else turns[: last_user + 1])
     own_id = row.get(id_field)
     if isinstance(own_id, (str, int)) and not isinstance(own_id, bool) and str(own_id):
-        return str(own_id), messages
+        return _text(str(own_id), id_field), messages
     return prompt_id_for(messages), messages
 
 
@@ -155,6 +173,9 @@ class SourceReader:
                     pid, messages = parse_row(row, self.fmt, self.id_field, self.regenerate)
                 except RowError as exc:
                     yield BadLine(str(self.path), line_no, here, offset, exc.field, exc.reason)
+                    continue
+                except Exception as exc:  # a row no check foresaw: still this row's failure, never the dataset's
+                    yield BadLine(str(self.path), line_no, here, offset, "<row>", f"{type(exc).__name__}: {exc}")
                     continue
                 yield Prompt(pid, messages, here, offset, line_no)
 

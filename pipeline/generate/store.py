@@ -6,7 +6,14 @@ Layout of ``OUT/<dataset>/``:
 * ``failed.jsonl`` records that failed permanently and unusable source lines, with the reason;
 * ``manifest.json`` written by temp-file + rename after every batch: the byte length of both
   files at that point, running totals, and a *watermark* into the source (the first source
-  line that is not yet durably done) plus the prompt ids done beyond it.
+  line that is not yet durably done) plus the source lines done beyond it.
+
+Done-ness is keyed by the source line's byte offset, not by the prompt's id: two rows that
+share an id are two pieces of work, in a clean run and after any number of kills alike.
+
+Every append starts at the committed length of its file: a write that failed half way (disk
+full, too many open files) is cut off before the batch is written again, so no record ever
+follows a partial line. A batch that could not be written stays in memory for the next try.
 
 Resume reads the manifest, then only the bytes appended after it (at most one batch), repairs
 a torn last line, and seeks the source to the watermark: its cost does not grow with the size
@@ -16,6 +23,7 @@ of the output or of the source.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -27,14 +35,23 @@ from pipeline.errors import RunError
 from pipeline.files import write_json_atomic
 from pipeline.generate.sources import BadLine, Prompt
 
-__all__ = ["DatasetStore", "StoreError", "Totals"]
+__all__ = ["DatasetStore", "StoreError", "Totals", "WriteFailed"]
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 1 keyed done work by prompt id; it is read and upgraded
 _FINGERPRINT_SPAN = 4096
 
 
 class StoreError(RunError):
     """An output directory that does not match its manifest or its source."""
+
+
+class WriteFailed(RunError):
+    """Finished records could not be made durable (disk full, I/O error, no file descriptors).
+    They are kept in memory and written again by the next flush."""
+
+    def __init__(self, path: Path, error: OSError):
+        super().__init__(f"{path}: {error.strerror or error}")
+        self.path, self.error = path, error
 
 
 @dataclass
@@ -68,20 +85,19 @@ class Totals:
 
 @dataclass
 class _Batch:
-    data: list[tuple[int, str, bytes, dict[str, Any]]] = field(default_factory=list)  # offset, id, line, record
-    failed: list[tuple[int, str, bytes, dict[str, Any]]] = field(default_factory=list)
+    data: list[tuple[int, bytes, dict[str, Any]]] = field(default_factory=list)  # source offset, line, record
+    failed: list[tuple[int, bytes, dict[str, Any]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.data or self.failed)
 
-
-def _key(item: Prompt | BadLine) -> str:
-    """What done-ness is keyed by: the prompt id, or for an unusable line its line number."""
-    return item.prompt_id if isinstance(item, Prompt) else f"line:{item.line}"
+    def put_back(self, newer: _Batch) -> _Batch:
+        """This batch (whose write failed) followed by what was added since: order kept."""
+        return _Batch(self.data + newer.data, self.failed + newer.failed)
 
 
 def _encode(record: dict[str, Any]) -> bytes:
-    return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+    return (json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
 
 
 def source_fingerprint(path: Path, offset: int) -> str:
@@ -109,12 +125,13 @@ class DatasetStore:
         self.durable = Totals()  # what is on disk and in the manifest
         self.accepted = Totals()  # durable + buffered: what the budget is checked against
         self.budget_override: int | None = None
-        self.done_beyond: dict[str, int] = {}  # prompt_id -> source offset, durable, >= watermark
-        self._pending: dict[int, tuple[int, str]] = {}  # offset -> (lines before it, prompt_id)
+        self.done_beyond: set[int] = set()  # source offsets durably done, >= watermark
+        self._pending: dict[int, int] = {}  # source offset in flight -> lines before it
         self._read_pos: tuple[int, int] = (0, 0)  # (offset, lines before) of the next unread line
         self._sizes: tuple[int, int] = (0, 0)
         self._batch = _Batch()
         self._flush_lock = asyncio.Lock()
+        self._manifest_stale = False  # records written, manifest not (its write failed)
         self.repaired_bytes = 0
         self.recovered_records = 0
 
@@ -128,7 +145,7 @@ class DatasetStore:
                 manifest = json.loads(self.manifest_path.read_bytes())
             except (OSError, json.JSONDecodeError) as exc:
                 raise StoreError(f"{self.manifest_path}: unreadable manifest ({exc}); move it aside to rebuild") from None
-            if manifest.get("version") != MANIFEST_VERSION:
+            if manifest.get("version") not in (1, MANIFEST_VERSION):
                 raise StoreError(f"{self.manifest_path}: manifest version {manifest.get('version')!r} not supported")
         elif self.data_path.exists() and self.data_path.stat().st_size:
             raise StoreError(
@@ -147,7 +164,8 @@ class DatasetStore:
                     f"{self.source}: changed since this output was written (resume point byte "
                     f"{self._read_pos[0]}); restore it or use a new output_dir"
                 )
-        self.done_beyond = {str(k): int(v) for k, v in manifest.get("done_beyond", {}).items()}
+        done = manifest.get("done_beyond", [])
+        self.done_beyond = {int(v) for v in (done.values() if isinstance(done, dict) else done)}  # v1: {id: offset}
         self.durable = Totals(**manifest.get("totals", {}))
         self.budget_override = manifest.get("budget_override")
         committed = manifest.get("committed", {"data": 0, "failed": 0})
@@ -155,7 +173,7 @@ class DatasetStore:
         failed_size = self._recover(self.failed_path, int(committed["failed"]), is_failure=True)
         self._sizes = (data_size, failed_size)
         self.accepted = self.durable.copy()
-        if self.recovered_records or self.repaired_bytes or not manifest:
+        if self.recovered_records or self.repaired_bytes or manifest.get("version") != MANIFEST_VERSION:
             self._write_manifest(self._manifest())
 
     def _recover(self, path: Path, committed: int, *, is_failure: bool) -> int:
@@ -179,12 +197,12 @@ class DatasetStore:
                 break
             try:
                 record = json.loads(raw)
-                pid, offset = str(record["id"]), int(record["source_offset"])
+                offset = int(record["source_offset"])
             except (ValueError, KeyError, TypeError):
                 break
             good += len(raw)
             self.recovered_records += 1
-            self.done_beyond[pid] = offset
+            self.done_beyond.add(offset)
             (self.durable.add_failure if is_failure else self.durable.add_record)(record)
         if good < size:
             self.repaired_bytes += size - good
@@ -199,25 +217,30 @@ class DatasetStore:
         return self._read_pos
 
     def skip(self, item: Prompt | BadLine) -> bool:
-        return _key(item) in self.done_beyond
+        return item.offset in self.done_beyond
 
     def advanced(self, offset: int, lines: int) -> None:
         """The reader has consumed the source up to (offset, lines)."""
         self._read_pos = (offset, lines)
 
     def dispatched(self, item: Prompt | BadLine) -> None:
-        self._pending[item.offset] = (item.line - 1, _key(item))
+        self._pending[item.offset] = item.line - 1
 
     def add_record(self, prompt: Prompt, record: dict[str, Any]) -> None:
+        line = _encode(record)  # first: a record that cannot be encoded is not counted
         self.accepted.add_record(record)
-        self._batch.data.append((prompt.offset, prompt.prompt_id, _encode(record), record))
+        self._batch.data.append((prompt.offset, line, record))
 
     def add_failure(self, item: Prompt | BadLine, record: dict[str, Any]) -> None:
+        line = _encode(record)
         self.accepted.add_failure(record)
-        self._batch.failed.append((item.offset, _key(item), _encode(record), record))
+        self._batch.failed.append((item.offset, line, record))
 
     def buffered(self) -> int:
         return len(self._batch.data) + len(self._batch.failed)
+
+    def unsaved(self) -> bool:
+        return bool(self._batch) or self._manifest_stale
 
     def rewind_to_watermark(self) -> None:
         """Forget in-flight work (cancelled): the next reader starts at the oldest of it."""
@@ -227,50 +250,57 @@ class DatasetStore:
     def _watermark(self) -> tuple[int, int]:
         if self._pending:
             offset = min(self._pending)
-            return offset, self._pending[offset][0]
+            return offset, self._pending[offset]
         return self._read_pos
 
     # ---- durability -----------------------------------------------------------------------
     async def flush(self, *, force_manifest: bool = False) -> None:
+        """Make the buffered records durable. Raises WriteFailed, with the batch kept for the
+        next call and nothing left on disk past the last whole record."""
         async with self._flush_lock:
             batch, self._batch = self._batch, _Batch()
-            if not batch and not force_manifest:
+            if not batch and not force_manifest and not self._manifest_stale:
                 return
             if batch:
-                self._sizes = await asyncio.to_thread(self._append, batch)
-                for offset, pid, _, record in batch.data:
+                try:
+                    self._sizes = await asyncio.to_thread(self._append, batch)
+                except OSError as exc:
+                    self._batch = batch.put_back(self._batch)
+                    raise WriteFailed(getattr(exc, "path", self.data_path), exc) from None
+                for offset, _, record in batch.data:
                     self._pending.pop(offset, None)
-                    self.done_beyond[pid] = offset
+                    self.done_beyond.add(offset)
                     self.durable.add_record(record)
-                for offset, pid, _, record in batch.failed:
+                for offset, _, record in batch.failed:
                     self._pending.pop(offset, None)
-                    self.done_beyond[pid] = offset
+                    self.done_beyond.add(offset)
                     self.durable.add_failure(record)
-            manifest = self._manifest()
-            await asyncio.to_thread(self._write_manifest, manifest)
+                self._manifest_stale = True
+            try:
+                await asyncio.to_thread(self._write_manifest, self._manifest())
+            except OSError as exc:
+                raise WriteFailed(self.manifest_path, exc) from None  # the records are safe: resume reads them back
+            self._manifest_stale = False
 
     def _append(self, batch: _Batch) -> tuple[int, int]:
         sizes = list(self._sizes)
         for i, (path, lines) in enumerate(((self.data_path, batch.data), (self.failed_path, batch.failed))):
             if not lines:
                 continue
-            payload = b"".join(entry[2] for entry in lines)
-            with open(path, "ab") as f:
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
+            payload = b"".join(entry[1] for entry in lines)
+            _write_at(path, sizes[i], payload)
             sizes[i] += len(payload)
         return sizes[0], sizes[1]
 
     def _manifest(self) -> dict[str, Any]:
         offset, lines = self._watermark()
-        self.done_beyond = {pid: off for pid, off in self.done_beyond.items() if off >= offset}
+        self.done_beyond = {off for off in self.done_beyond if off >= offset}
         return {
             "version": MANIFEST_VERSION,
             "dataset": self.name,
             "source": str(self.source),
             "watermark": {"offset": offset, "lines": lines},
-            "done_beyond": self.done_beyond,
+            "done_beyond": sorted(self.done_beyond),
             "committed": {"data": self._sizes[0], "failed": self._sizes[1]},
             "totals": dict(self.durable.__dict__),
             "budget_override": self.budget_override,
@@ -280,3 +310,35 @@ class DatasetStore:
         offset = manifest["watermark"]["offset"]
         manifest["source_fingerprint"] = source_fingerprint(self.source, offset) if self.source.exists() else None
         write_json_atomic(self.manifest_path, manifest)
+
+
+class _WriteError(OSError):
+    """An OSError that names the file it happened on."""
+
+    def __init__(self, path: Path, error: OSError):
+        super().__init__(error.errno, error.strerror)
+        self.path = path
+
+
+def _write_at(path: Path, committed: int, payload: bytes) -> None:
+    """Write ``payload`` at byte ``committed`` of ``path``, cutting off whatever a failed
+    earlier write left there; on failure, cut back to ``committed`` (best effort: resume
+    repairs a torn tail too) and raise."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise _WriteError(path, exc) from None
+    try:
+        os.ftruncate(fd, committed)
+        view = memoryview(payload)
+        position = committed
+        while view:
+            written = os.pwrite(fd, view, position)
+            view, position = view[written:], position + written
+        os.fsync(fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, committed)
+        raise _WriteError(path, exc) from None
+    finally:
+        os.close(fd)

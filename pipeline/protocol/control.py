@@ -22,9 +22,19 @@ from typing import Any, Protocol
 from pipeline.errors import RunError
 from pipeline.protocol.events import Ack, Command, Event, command_from_json, event_from_json
 
-__all__ = ["ControlClient", "ControlError", "ControlServer", "Controllable", "find_sockets", "runtime_dir", "socket_path_for"]
+__all__ = [
+    "ControlClient",
+    "ControlError",
+    "ControlServer",
+    "Controllable",
+    "checked_runtime_dir",
+    "find_sockets",
+    "runtime_dir",
+    "socket_path_for",
+]
 
-_LIMIT = 1 << 20
+_LIMIT = 1 << 20  # one request line; a longer one is answered with an error and the connection closed
+_BACKLOG = 4096  # connections waiting to be accepted (the kernel caps it at net.core.somaxconn)
 
 
 class ControlError(RunError):
@@ -32,8 +42,45 @@ class ControlError(RunError):
 
 
 def runtime_dir() -> Path:
+    # Not $XDG_RUNTIME_DIR: logind removes it when the last SSH session ends, and a detached
+    # engine outlives its terminal.
     base = os.environ.get("EAGLEOPS_RUNTIME_DIR") or f"/tmp/eagleops-{os.getuid()}"
     return Path(base)
+
+
+def checked_runtime_dir(*, create: bool) -> Path:
+    """The runtime dir, refused (as OpenSSH refuses its dirs) unless it is a real directory,
+    owned by us and closed to everyone else: in a shared /tmp anyone can create it first."""
+    folder = runtime_dir()
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o700)
+    try:
+        info = os.lstat(folder)
+    except FileNotFoundError:
+        if create:
+            raise ControlError(f"{folder}: could not be created") from None
+        return folder
+    fix = "remove it, or set EAGLEOPS_RUNTIME_DIR to a directory of your own"
+    if stat.S_ISLNK(info.st_mode):
+        raise ControlError(f"{folder}: is a symbolic link; refusing it ({fix})")
+    if not stat.S_ISDIR(info.st_mode):
+        raise ControlError(f"{folder}: is not a directory; refusing it ({fix})")
+    if info.st_uid != os.getuid():
+        raise ControlError(f"{folder}: owned by uid {info.st_uid}, not by us (uid {os.getuid()}); refusing it ({fix})")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise ControlError(f"{folder}: mode {stat.S_IMODE(info.st_mode):04o}, open to others; refusing it (chmod 700 it if it is yours)")
+    return folder
+
+
+def _check_socket(path: Path) -> None:
+    """A socket we talk to is ours: a fake one answering for an engine would steer our commands."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return  # the connect says so
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
+        raise ControlError(f"{path}: not a socket of ours (owner uid {info.st_uid}); refusing to talk to it")
 
 
 def socket_path_for(run_name: str, output_dir: Path) -> Path:
@@ -58,10 +105,10 @@ def _is_live(path: Path) -> bool:
 
 def find_sockets() -> list[Path]:
     """Sockets of engines that answer, newest first."""
-    folder = runtime_dir()
+    folder = checked_runtime_dir(create=False)
     if not folder.is_dir():
         return []
-    found = [p for p in folder.glob("*.sock") if _is_live(p)]
+    found = [p for p in folder.glob("*.sock") if p.is_socket() and p.lstat().st_uid == os.getuid() and _is_live(p)]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
@@ -88,18 +135,17 @@ class ControlServer:
         self._streams: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        folder = self.path.parent
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = folder.stat()
-        if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
-            os.chmod(folder, 0o700)
-        if self.path.exists():
+        if self.path.parent == runtime_dir():
+            checked_runtime_dir(create=True)
+        else:  # a socket path of the caller's choosing: its folder is its business, created private
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.path.exists() or self.path.is_symlink():
             if _is_live(self.path):
                 raise ControlError(f"{self.path}: another engine is already serving this run")
             self.path.unlink()
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
-            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=_LIMIT)
+            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=_LIMIT, backlog=_BACKLOG)
         finally:
             os.umask(old_umask)
         os.chmod(self.path, 0o600)
@@ -120,7 +166,7 @@ class ControlServer:
         if task is not None:  # always, inside a server callback; the check is for the type
             self._streams.add(task)
         try:
-            while line := await reader.readline():
+            while line := await _read_request(reader, writer):
                 try:
                     request = json.loads(line)
                     if not isinstance(request, dict):
@@ -161,6 +207,15 @@ class ControlServer:
             subscription.close()
 
 
+async def _read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """The next request line; b"" at the end, or after answering a line over the limit."""
+    try:
+        return await reader.readline()
+    except ValueError:  # the line ran past _LIMIT: what is left of it cannot be resynchronised
+        await _send(writer, {"ok": False, "message": f"request line over {_LIMIT} bytes; connection closed"})
+        return b""
+
+
 def _encode(payload: dict[str, Any]) -> bytes:
     return (json.dumps(payload, separators=(",", ":")) + "\n").encode()
 
@@ -180,6 +235,9 @@ class ControlClient:
         self._lock = asyncio.Lock()
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.path.parent == runtime_dir():
+            checked_runtime_dir(create=False)
+        _check_socket(self.path)
         try:
             return await asyncio.open_unix_connection(str(self.path), limit=_LIMIT)
         except (FileNotFoundError, ConnectionRefusedError) as exc:

@@ -117,6 +117,7 @@ class EndpointStats(Event):
     tok_per_s: float
     latency_p50_s: float | None
     latency_p95_s: float | None
+    benched_s: float | None = None  # seconds this endpoint gets no requests yet, after failures
     at: float = field(default_factory=time.time)
 
 

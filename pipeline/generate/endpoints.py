@@ -1,0 +1,168 @@
+"""The endpoints a run sends to: least-in-flight choice, each one's concurrency cap, and health.
+
+An endpoint that fails ``BENCH_AFTER`` times in a row (refused, reset, timed out, 5xx), or
+asks for a pause with ``Retry-After``, is *benched*: no request goes to it until its backoff
+ends, then a single probe does; a success puts it back. Retries go to another healthy
+endpoint when there is one, so a dead server costs a few fast failures, not the records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+
+from pipeline.config import EndpointConfig
+from pipeline.protocol.events import EndpointStats
+
+__all__ = ["BENCH_AFTER", "EndpointPool", "EndpointState", "RateMeter"]
+
+BENCH_AFTER = 3  # consecutive failures; a lone transient error does not bench a server
+
+
+class RateMeter:
+    """Events and amounts per second over a sliding window."""
+
+    def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self._events: deque[tuple[float, float]] = deque()
+        self._sum = 0.0
+        self.started = clock()
+
+    def add(self, amount: float = 0.0) -> None:
+        self._events.append((self.clock(), amount))
+        self._sum += amount
+        self._trim()
+
+    def _trim(self) -> None:
+        cutoff = self.clock() - self.window_s
+        while self._events and self._events[0][0] < cutoff:
+            self._sum -= self._events.popleft()[1]
+
+    def rates(self) -> tuple[float, float]:
+        self._trim()
+        span = min(self.window_s, max(1e-9, self.clock() - self.started))
+        return len(self._events) / span, self._sum / span
+
+
+class EndpointState:
+    __slots__ = ("config", "in_flight", "requests", "errors", "latencies", "meter", "key", "url", "failures_in_a_row", "benched_until")
+
+    def __init__(self, config: EndpointConfig):
+        self.config = config
+        self.url = f"{config.base_url}/chat/completions"
+        self.key = config.api_key()
+        self.in_flight = 0
+        self.requests = 0
+        self.errors = 0
+        self.latencies: deque[float] = deque(maxlen=512)
+        self.meter = RateMeter()
+        self.failures_in_a_row = 0
+        self.benched_until = 0.0
+
+    def has_room(self) -> bool:
+        if self.failures_in_a_row >= BENCH_AFTER:
+            return self.in_flight == 0  # on probation: one probe at a time
+        cap = self.config.max_concurrency
+        return cap is None or self.in_flight < cap
+
+    def benched(self, now: float) -> bool:
+        return now < self.benched_until
+
+
+class EndpointPool:
+    def __init__(
+        self,
+        endpoints: tuple[EndpointConfig, ...],
+        *,
+        base_bench_s: float = 0.5,
+        max_bench_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.endpoints = [EndpointState(ep) for ep in endpoints]
+        self.base_bench_s, self.max_bench_s, self.clock = base_bench_s, max_bench_s, clock
+        self.on_health: Callable[[str, str], None] | None = None  # (level, message), at each change
+        self._room = asyncio.Event()
+        self._turn = 0
+
+    async def acquire(self, avoid: EndpointState | None = None) -> EndpointState:
+        """The least busy healthy endpoint, other than ``avoid`` if another can take it; waits
+        while every endpoint is full or benched."""
+        while True:
+            now = self.clock()
+            ready = [ep for ep in self.endpoints if ep.has_room() and not ep.benched(now)]
+            if len(ready) > 1 and avoid in ready:
+                ready.remove(avoid)
+            if ready:
+                least = min(ep.in_flight for ep in ready)
+                ties = [ep for ep in ready if ep.in_flight == least]
+                self._turn += 1
+                chosen = ties[self._turn % len(ties)]
+                chosen.in_flight += 1
+                return chosen
+            self._room.clear()
+            benched = [ep.benched_until for ep in self.endpoints if ep.benched(now)]
+            wait = max(0.01, min(benched) - now) if benched else None
+            try:
+                await asyncio.wait_for(self._room.wait(), wait)
+            except TimeoutError:
+                pass
+
+    def release(self, endpoint: EndpointState) -> None:
+        """Synchronous, so it also runs inside a cancelled task's cleanup."""
+        endpoint.in_flight -= 1
+        self._room.set()
+
+    def succeeded(self, endpoint: EndpointState) -> None:
+        if endpoint.failures_in_a_row >= BENCH_AFTER and self.on_health is not None:
+            self.on_health("info", f"{endpoint.config.label}: answering again; back in rotation")
+        endpoint.failures_in_a_row = 0
+        endpoint.benched_until = 0.0
+        self._room.set()
+
+    def failed(self, endpoint: EndpointState, reason: str, pause_s: float | None = None) -> None:
+        """A transient failure; ``pause_s`` is the server's own Retry-After (already capped)."""
+        endpoint.errors += 1
+        endpoint.failures_in_a_row += 1
+        strikes = endpoint.failures_in_a_row - BENCH_AFTER
+        bench = 0.0
+        if strikes >= 0:
+            bench = min(self.max_bench_s, self.base_bench_s * 2**strikes)
+        if pause_s:
+            bench = max(bench, pause_s)
+        if bench <= 0:
+            return
+        was_benched = endpoint.benched(self.clock())
+        endpoint.benched_until = max(endpoint.benched_until, self.clock() + bench)
+        if was_benched or strikes < 0 or self.on_health is None:
+            return  # a Retry-After alone is in the retry's own log line
+        others = "others take its requests" if self.healthy_other_than(endpoint) else "no other endpoint: requests wait"
+        self.on_health(
+            "warning", f"{endpoint.config.label}: benched {bench:.1f}s after {endpoint.failures_in_a_row} failures ({reason}); {others}"
+        )
+
+    def stats(self) -> list[EndpointStats]:
+        now = self.clock()
+        events = []
+        for ep in self.endpoints:
+            lat = sorted(ep.latencies)
+            req_s, tok_s = ep.meter.rates()
+            events.append(
+                EndpointStats(
+                    url=ep.config.label,
+                    in_flight=ep.in_flight,
+                    requests=ep.requests,
+                    errors=ep.errors,
+                    req_per_s=round(req_s, 3),
+                    tok_per_s=round(tok_s, 1),
+                    latency_p50_s=round(lat[len(lat) // 2], 4) if lat else None,
+                    latency_p95_s=round(lat[min(len(lat) - 1, int(len(lat) * 0.95))], 4) if lat else None,
+                    benched_s=round(ep.benched_until - now, 1) if ep.benched(now) else None,
+                )
+            )
+        return events
+
+    def healthy_other_than(self, endpoint: EndpointState) -> bool:
+        now = self.clock()
+        return any(ep is not endpoint and not ep.benched(now) and ep.failures_in_a_row < BENCH_AFTER for ep in self.endpoints)
