@@ -266,6 +266,8 @@ class RunConfig:
         for i, ds in enumerate(config.datasets):
             if ds.name in seen:
                 raise table.child(f"datasets[{i}]", {}).fail("name", f"duplicate dataset name {ds.name!r}")
+            if ds.path.is_dir():
+                raise table.child(f"datasets[{i}]", {}).fail("path", f"{ds.path} is a directory, not a JSONL file")
             seen.add(ds.name)
         wanted = config.stages if config.stages is not None else (ALL_STAGES if config.target else ("generate",))
         if config.target is None and any(s != "generate" for s in wanted):

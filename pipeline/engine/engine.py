@@ -25,6 +25,7 @@ from pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, read_host,
 from pipeline.errors import EagleOpsError, RunError
 from pipeline.files import try_lock
 from pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
+from pipeline.generate.endpoints import connection_limit
 from pipeline.generate.store import DatasetStore, StoreError, WriteFailed
 from pipeline.protocol.control import ControlError, ControlServer, socket_path_for
 from pipeline.protocol.events import DatasetProgress, DatasetState, EndpointStats, Event, LogEvent, StageState, StageStatus
@@ -223,6 +224,8 @@ class Engine(EngineCommands):
                 await asyncio.to_thread(store.open)
             except StoreError as exc:
                 raise EngineError(str(exc)) from None
+            except OSError as exc:
+                raise EngineError(f"{store.directory}: cannot open the output ({exc.strerror or exc})") from None
             runner = DatasetRunner(self, ds, store)
             self.runners[ds.name] = runner
             if store.recovered_records or store.repaired_bytes:
@@ -242,7 +245,10 @@ class Engine(EngineCommands):
     async def run(self) -> RunSummary:
         if self._lock_file is None:
             await self.open()
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        connections, warning = connection_limit(self.config.concurrency, len(self.config.datasets))
+        if warning is not None:
+            self.log("warning", warning)
+        connector = aiohttp.TCPConnector(limit=connections, ttl_dns_cache=300, enable_cleanup_closed=True)
         async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
             telemetry = asyncio.create_task(self._telemetry_loop(session), name="telemetry")
             try:

@@ -9,6 +9,7 @@ endpoint when there is one, so a dead server costs a few fast failures, not the 
 from __future__ import annotations
 
 import asyncio
+import resource
 import time
 from collections import deque
 from collections.abc import Callable
@@ -16,9 +17,34 @@ from collections.abc import Callable
 from pipeline.config import EndpointConfig
 from pipeline.protocol.events import EndpointStats
 
-__all__ = ["BENCH_AFTER", "EndpointPool", "EndpointState", "RateMeter"]
+__all__ = ["BENCH_AFTER", "EndpointPool", "EndpointState", "RateMeter", "connection_limit"]
 
 BENCH_AFTER = 3  # consecutive failures; a lone transient error does not bench a server
+
+
+_FDS_KEPT_FREE = 48  # for output files, the control socket and its clients, telemetry, imports
+
+
+def connection_limit(concurrency: int, datasets: int) -> tuple[int, str | None]:
+    """Connections the run may hold open, raising the soft open-file limit as far as the hard
+    one allows: with more sockets than descriptors, output files could not be opened (EMFILE).
+    Returns the limit and, when it holds back the concurrency, a warning saying so."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = concurrency + _FDS_KEPT_FREE + 4 * datasets
+    if soft != resource.RLIM_INFINITY and soft < want:
+        raised = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return concurrency, None
+    limit = max(1, soft - _FDS_KEPT_FREE - 4 * datasets)
+    return (
+        limit,
+        f"open-file limit {soft} (ulimit -n) allows {limit} connections; requests beyond that wait for one (concurrency {concurrency})",
+    )
 
 
 class RateMeter:

@@ -8,7 +8,12 @@ Faults are asked for in the prompt text, so a test decides exactly what each rec
     [[fault:malformedx1]] HTTP 200 with a body that is not JSON
     [[fault:stall]]      never answers; counts the client's disconnect
     [[fault:nousage]]    success without ``usage``
-    [[fault:echo-auth]]  HTTP 400 whose body echoes the Authorization header (redaction test)
+    [[fault:echo-auth]]  HTTP 400 whose body echoes the Authorization header (redaction test);
+                         ``echo-auth-late`` echoes it across byte 300, ``echo-auth-json`` with
+                         every ``-`` escaped as ``\u002d``, ``echo-auth-200`` in a reply's content
+    [[usage:F=V]]        report usage field F as the raw JSON value V (``completion_tokens=1e15``,
+                         ``prompt_tokens=-5``, ``cost=NaN``): a server's numbers are not trusted
+    [[bigreply:MB]]      a 200 reply of about MB megabytes
     [[tokens:N]]         answer with N completion tokens (N words)
     [[delay:S]]          answer after S seconds
     [[cost:X]]           report ``usage.cost`` = X dollars, as OpenRouter does
@@ -37,7 +42,8 @@ from aiohttp import web
 
 from .common import LOOPBACK, client_gone, serve_forever
 
-_DIRECTIVE = re.compile(r"\[\[(fault|tokens|delay|cost|think):([^\]]+)\]\]")
+_DIRECTIVE = re.compile(r"\[\[(fault|tokens|delay|cost|think|usage|bigreply):([^\]]+)\]\]")
+_ALWAYS = ("stall", "echo-auth", "echo-auth-late", "echo-auth-json")  # faults that never clear
 _WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box".split()
 
 
@@ -121,8 +127,12 @@ class FaultServer:
                 name, _, times = arg.partition("x")
                 if arg == "nousage":
                     usage = False
-                elif arg in ("stall", "echo-auth") or not times or attempt <= int(times):
-                    fault = arg if arg in ("stall", "echo-auth") else name
+                elif arg in _ALWAYS or not times or attempt <= int(times):
+                    fault = arg if arg in _ALWAYS else name
+        if fault == "echo-auth-200":  # the key comes back in a successful reply
+            fault = None
+            tokens = 0
+            directives.append(("echo", request.headers.get("Authorization", "")))
         if fault is None and self.fault_rate and self.rng.random() < self.fault_rate:
             fault = self.rng.choice(["500", "429", "reset", "malformed"])
         if delay:
@@ -143,6 +153,8 @@ class FaultServer:
             think = None
         if think is not None:
             body = _with_thinking(body, think)
+        if edits := [(kind, arg) for kind, arg in directives if kind in ("usage", "bigreply", "echo")]:
+            body = _edited(body, edits)
         return web.Response(body=body, content_type="application/json")
 
     async def _fault(self, request: web.Request, fault: str) -> web.StreamResponse:
@@ -154,8 +166,14 @@ class FaultServer:
                     break
                 await asyncio.sleep(0.02)
             return web.Response(status=499)
-        if fault == "echo-auth":
-            return web.json_response({"error": {"message": f"bad key: {request.headers.get('Authorization', '')}"}}, status=400)
+        if fault.startswith("echo-auth"):
+            message = f"bad key: {request.headers.get('Authorization', '')}"
+            if fault == "echo-auth-late":
+                message = "x" * 250 + message  # the key straddles byte 300, where snippets are cut
+            text = json.dumps({"error": {"message": message}})
+            if fault == "echo-auth-json":
+                text = text.replace("-", "\\u002d")
+            return web.Response(text=text, status=400, content_type="application/json")
         if fault == "429":
             return web.json_response({"error": {"message": "rate limited"}}, status=429, headers={"Retry-After": f"{self.retry_after:g}"})
         if fault == "malformed":
@@ -170,6 +188,20 @@ class FaultServer:
         if fault.isdigit():
             return web.json_response({"error": {"message": f"injected {fault}"}}, status=int(fault))
         return web.json_response({"error": {"message": f"unknown fault {fault!r}"}}, status=400)
+
+
+def _edited(body: bytes, edits: list[tuple[str, str]]) -> bytes:
+    payload = json.loads(body)
+    message = payload["choices"][0]["message"]
+    for kind, arg in edits:
+        if kind == "usage":
+            name, _, raw = arg.partition("=")
+            payload.setdefault("usage", {})[name] = json.loads(raw)  # NaN too: Python's json reads it
+        elif kind == "bigreply":
+            message["content"] += " pad" * int(float(arg) * 2**20 / 4)
+        elif kind == "echo":
+            message["content"] += f" you sent {arg}"
+    return json.dumps(payload).encode()
 
 
 _THOUGHT = "first I weigh the cases then I check the sum"
