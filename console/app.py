@@ -6,10 +6,14 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
-from textual.app import App, ComposeResult
+from textual import events
+from textual.app import App, ComposeResult, SystemCommand
 from textual.containers import Horizontal
+from textual.screen import Screen
 from textual.widgets import Footer, Header, Log
 from textual.worker import Worker, WorkerState
 
@@ -26,6 +30,7 @@ from .link import EngineLink, LocalLink, SocketLink
 from .panes import DatasetsTable, GpuPane, ServerPane, StagesPane
 from .screens import BudgetScreen, ConfirmScreen, HelpScreen
 from .state import ConsoleState
+from .terminal import ascii_only
 
 __all__ = ["EagleOpsApp", "THEMES", "attach_console", "run_console"]
 
@@ -48,8 +53,17 @@ class EagleOpsApp(App[int]):
     TITLE = "eagleops"
     BINDINGS = bindings(APP_KEYS)
 
-    def __init__(self, link: EngineLink, *, theme: str = "dark", refresh_s: float = 1.0, command_timeout_s: float = COMMAND_TIMEOUT_S):
+    def __init__(
+        self,
+        link: EngineLink,
+        *,
+        theme: str = "dark",
+        refresh_s: float = 1.0,
+        command_timeout_s: float = COMMAND_TIMEOUT_S,
+        ascii: bool | None = None,
+    ):
         super().__init__(css_path=theme_css(theme))
+        self.ascii = ascii_only() if ascii is None else ascii  # boxes, bars and marks in ASCII
         self.link = link
         self.theme_name = theme
         self.refresh_s = refresh_s
@@ -58,10 +72,13 @@ class EagleOpsApp(App[int]):
         self._rendered_version = -1
         self.engine_finished = False
         self._leaving = False
-        self.sub_title = link.description
+        if self.ascii:  # the header joins title and subtitle with an em dash
+            self.title, self.sub_title = f"eagleops - {link.description}", ""
+        else:
+            self.sub_title = link.description
 
     def compose(self) -> ComposeResult:
-        yield Header(show_clock=False)
+        yield Header(show_clock=False, icon="*" if self.ascii else None)
         yield DatasetsTable(id="datasets")
         with Horizontal(id="panes"):
             yield GpuPane(id="gpu")
@@ -70,18 +87,29 @@ class EagleOpsApp(App[int]):
         log = Log(id="log", max_lines=5000, auto_scroll=True)
         log.border_title = "Log"
         yield log
-        yield Footer()
+        yield Footer(show_command_palette=not self.ascii)  # its separator is a block glyph; Ctrl+P still opens it
 
     async def on_mount(self) -> None:
         self.theme = THEMES[self.theme_name]
+        if self.ascii:
+            self.add_class("-ascii")
         if os.environ.get("SSH_CONNECTION") or os.environ.get("SSH_TTY"):
             self.animation_level = "none"  # every animated frame is bytes over the link
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.exit)  # terminal gone
+        loop = asyncio.get_running_loop()
+        for sig, code in ((signal.SIGHUP, 129), (signal.SIGTERM, 130)):  # terminal gone / asked to stop
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, self.leave, code)
         await self.link.start()
         self.run_worker(self._pump(), name="events", group="events")
         self.set_interval(self.refresh_s, self.refresh_panes)
         self.query_one(DatasetsTable).focus()
+
+    def on_resize(self, event: events.Resize) -> None:
+        """80x24 is the design size: the panes and the log give up rows before the table does."""
+        height = event.size.height
+        panes, log = (12, 10) if height >= 40 else (9, 8) if height >= 32 else (6, 6)
+        self.query_one("#panes").styles.height = panes
+        self.query_one("#log").styles.height = log
 
     async def _pump(self) -> None:
         try:
@@ -211,18 +239,31 @@ class EagleOpsApp(App[int]):
 
         self.push_screen(ConfirmScreen("Quit and stop the run? Finished work is kept; run again to resume."), confirmed)
 
-    def leave(self) -> None:
-        """Stop the link from a worker: stopping waits on the engine, and the keys must not wait with it."""
+    async def action_quit(self) -> None:
+        """Ctrl+Q and the palette's Quit: the same as q (detach, or ask before stopping a local run)."""
+        self.action_quit_console()
+
+    def leave(self, code: int | None = None) -> None:
+        """Stop the link from a worker: stopping waits on the engine, and the keys must not wait with it.
+        ``code``: exit with it (a signal's), whatever the run's outcome."""
         if not self._leaving:  # a second q while the first is stopping would stop the link twice
             self._leaving = True
-            self.run_worker(self._leave(), name="leave", group="leave")
+            self.run_worker(self._leave(code), name="leave", group="leave")
 
-    async def _leave(self) -> None:
+    async def _leave(self, code: int | None) -> None:
         if self.link.attached:
             self.write_log("detaching; the run goes on")
         await self.link.stop()
         summary = getattr(self.link, "summary", None)
-        self.exit(exit_code(summary) if summary is not None else 0)
+        if code is None:
+            code = exit_code(summary) if summary is not None else 0
+        self.exit(code)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """The palette offers every key's action too, under the same words as the help screen."""
+        yield from super().get_system_commands(screen)  # its Quit calls action_quit: ours
+        for key in APP_KEYS:
+            yield SystemCommand(f"{key.label} ({key.shown_as})", key.does, partial(self.run_action, key.action))
 
 
 async def run_console(config: RunConfig, *, theme: str = "dark", refresh_s: float = 1.0, stages: tuple[str, ...] | None = None) -> int:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 
 from pipeline.config import load_run, parse_tokens
@@ -28,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     def add_view_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument("--no-tui", action="store_true", help="headless: print status lines (for nohup/CI)")
         p.add_argument("--json", action="store_true", help="headless, one JSON event per line")
+        p.add_argument("--in-process", action="store_true", help="the engine inside the console: it stops when the console does")
         add_theme(p)
 
     run = sub.add_parser("run", help="run the pipeline described by a run file")
@@ -159,11 +161,32 @@ def _run(config, args: argparse.Namespace, stages: tuple[str, ...] | None = None
     if not (args.no_tui or args.json):
         if not sys.stdout.isatty():
             print("eagleops: stdout is not a terminal; running headless (--no-tui)", file=sys.stderr)
-        else:
+        elif getattr(args, "in_process", False) or args.command == "demo":  # the demo's model server lives in this process
             from console.app import run_console
 
             return asyncio.run(run_console(config, theme=args.theme, refresh_s=args.refresh, stages=stages))
+        else:
+            return _run_detached(config, args)
     return asyncio.run(run_headless(config, as_json=args.json, stages=stages))
+
+
+def _run_detached(config, args: argparse.Namespace) -> int:
+    """The engine in a session of its own, the console attached: closing it leaves the run going."""
+    from console.app import attach_console
+    from console.detached import start_detached
+
+    engine = start_detached(config, [args.command, str(args.run_file)])
+    if (code := engine.exit_code()) is not None:
+        print(engine.tail())
+        return code
+    asyncio.run(attach_console(engine.socket, theme=args.theme, refresh_s=args.refresh))
+    time.sleep(0.2)  # an engine that has just finished is reaped, not reported as still running
+    if (code := engine.exit_code()) is not None:
+        return code
+    if engine.proc is None or engine.proc.poll() is None:
+        pid = f" (pid {engine.proc.pid})" if engine.proc is not None else ""
+        print(f"eagleops: the run goes on{pid}; `eagleops attach` to watch it, `eagleops kill` to stop it; log: {engine.log}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ class Key:
         return _SHOWN_AS.get(self.key, self.key)
 
 
-_SHOWN_AS = {"up": "↑", "down": "↓", "home": "Home", "end": "End", "question_mark": "?"}
+_SHOWN_AS = {"up": "↑", "down": "↓", "home": "Home", "end": "End", "question_mark": "?", "ctrl+q": "Ctrl+Q"}
 
 # Bound on the datasets table, not the app: they move its cursor.
 DATASET_KEYS = (
@@ -44,7 +44,19 @@ APP_KEYS = (
     Key("k", "kill", "Kill", "kill the selected dataset (asks first)"),
     Key("K", "kill_all", "Kill run", "kill the whole run (asks first)", in_footer=False),
     Key("question_mark", "help", "Help", "the help screen: every key and what it does"),
-    Key("q", "quit_console", "Quit", "quit: attached, the run goes on; local, the run stops (asks first; resumable)"),
+    Key(
+        "q",
+        "quit_console",
+        "Quit",
+        "close the console: the run goes on (`eagleops attach` returns to it); with --in-process it stops (asks first)",
+    ),
+    Key(
+        "ctrl+q",
+        "quit_console",
+        "Quit",
+        "close the console: the run goes on (`eagleops attach` returns to it); with --in-process it stops (asks first)",
+        in_footer=False,
+    ),
 )
 
 KEYMAP = DATASET_KEYS + APP_KEYS

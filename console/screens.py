@@ -11,6 +11,7 @@ from textual.widgets import Input, Label, Static
 from pipeline.config import format_tokens, parse_tokens
 
 from .keymap import help_markup
+from .terminal import to_ascii
 
 __all__ = ["BudgetScreen", "ConfirmScreen", "HelpScreen"]
 
@@ -29,7 +30,7 @@ class BudgetScreen(ModalScreen[int | None]):
             yield Label(f"New token budget for [b]{self.dataset}[/b] (now {format_tokens(self.current)})")
             yield Input(placeholder="e.g. 12M, 500k, 120000", id="budget-input")
             yield Label("", id="budget-error", classes="error")
-            yield Static("[dim]Enter applies live · Esc cancels[/dim]")
+            yield Static("[dim]Enter applies live, Esc cancels[/dim]")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         try:
@@ -56,7 +57,7 @@ class ConfirmScreen(ModalScreen[bool]):
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
             yield Label(self.question)
-            yield Static("[b]y[/b] yes · [b]n[/b] no")
+            yield Static("[b]y[/b] yes, [b]n[/b] no")
 
     def action_answer(self, yes: bool) -> None:
         self.dismiss(yes)
@@ -77,7 +78,7 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
-            yield Static(HELP)
+            yield Static(to_ascii(HELP) if getattr(self.app, "ascii", False) else HELP)
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -30,6 +30,13 @@ class Server:
 
 
 @pytest.fixture(autouse=True)
+def _unicode_console(monkeypatch):
+    """Consoles under test draw Unicode whatever this machine's TERM and locale; the terminal
+    matrix test sets its own."""
+    monkeypatch.setenv("EAGLEOPS_ASCII", "0")
+
+
+@pytest.fixture(autouse=True)
 def _private_runtime_dir(tmp_path, monkeypatch):
     """Each test's control sockets live in its own folder, so tests never see each other."""
     folder = Path("/tmp") / f"eo-test-{os.getpid()}-{abs(hash(tmp_path.name)) % 10**8}"

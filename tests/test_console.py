@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,8 +18,8 @@ from rich.text import Text
 from console.app import EagleOpsApp
 from console.keymap import KEYMAP, help_rows, markdown_table
 from console.link import LocalLink, SocketLink
-from console.panes import DatasetsTable, GpuPane
-from console.screens import HELP, HelpScreen
+from console.panes import DatasetsTable, GpuPane, StagesPane
+from console.screens import HELP, ConfirmScreen, HelpScreen
 from pipeline.engine import Engine
 from pipeline.engine.telemetry import NvmlReader, parse_prometheus, server_metrics
 from pipeline.protocol.events import (
@@ -390,6 +392,10 @@ def _env() -> dict:
     return env
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True, text=True, env=_env(), timeout=60)
+
+
 def _run_file(tmp_path: Path, base_url: str, n: int = 2000) -> Path:
     source = write_jsonl(tmp_path / "a.jsonl", [{"id": f"p{i}", "prompt": f"x {i} [[tokens:10]] [[delay:0.1]]"} for i in range(n)])
     run = tmp_path / "run.toml"
@@ -445,16 +451,28 @@ async def test_two_attached_consoles_see_the_same_headless_run(tmp_path, fault_s
             engine.kill()
 
 
+def _stop_detached_engine(out_dir: Path) -> None:
+    """A test that failed half way must not leave a detached engine running: its pid is in the lock."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = int((out_dir / ".lock").read_text().strip())
+        os.killpg(pid, signal.SIGKILL)
+
+
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
 def test_the_real_program_in_a_terminal(tmp_path, fault_server):
-    """What a person sees: `eagleops run` in tmux, keys typed, the screen read back."""
+    """What a person sees: `eagleops run` in tmux at 80x24, keys typed, the screen read back; the
+    terminal dropped (SIGHUP) and the run still going; `eagleops attach` back on it, `q` leaving it."""
     run = _run_file(tmp_path, fault_server.base_url)
     session = f"eo{os.getpid()}"
     exit_file = tmp_path / "exit"
     env_prefix = f"cd {ROOT} && unset COLUMNS LINES && PYTHONPATH={ROOT} EAGLEOPS_RUNTIME_DIR={os.environ['EAGLEOPS_RUNTIME_DIR']}"
-    command = f"{env_prefix} {sys.executable} -m console.cli run {run}; echo $? > {exit_file}"
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "45", command], check=True)
-    subprocess.run(["tmux", "resize-window", "-t", session, "-x", "160", "-y", "45"], capture_output=True)
+
+    def start(command: str) -> None:
+        subprocess.run(
+            ["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", f"{env_prefix} {command}; echo $? > {exit_file}"],
+            check=True,
+        )
+        subprocess.run(["tmux", "resize-window", "-t", session, "-x", "80", "-y", "24"], capture_output=True)
 
     def screen() -> str:
         return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
@@ -470,25 +488,39 @@ def test_the_real_program_in_a_terminal(tmp_path, fault_server):
         subprocess.run(["tmux", "send-keys", "-t", session, *k], check=True)
 
     try:
+        start(f"{sys.executable} -m console.cli run {run}")
         wait_screen("B2")
         text = wait_screen("no NVIDIA GPU")
-        assert "B1" in text and "B2" in text and "Stages" in text and "no NVIDIA GPU" in text
+        assert "B1" in text and "B2" in text and "Stages" in text
+        assert len(text.splitlines()) <= 24
         keys("p")
         wait_screen("command pause B1")
         keys("Down", "b")
         wait_screen("New token budget for B2")
         keys("7", "M", "Enter")
         wait_screen("budget B2: 2M -> 7M")
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)  # the SSH session drops
+        time.sleep(1.0)
+        status = _cli("status")
+        assert status.returncode == 0 and "7M" in status.stdout, status.stderr  # the run goes on without its terminal
+        assert (tmp_path / "out" / "engine.log").exists()
+        start(f"{sys.executable} -m console.cli attach")
+        wait_screen("B2")
         keys("q")
-        wait_screen("Quit and stop the run?")
-        keys("y")
         deadline = time.monotonic() + 30
         while not exit_file.exists():
             assert time.monotonic() < deadline, screen()
             time.sleep(0.2)
-        assert exit_file.read_text().strip() == "130"
+        assert exit_file.read_text().strip() == "0"
+        assert _cli("status").returncode == 0  # detached again, still running
+        assert "killing the run" in _cli("kill").stdout
+        deadline = time.monotonic() + 30
+        while _cli("status").returncode == 0:
+            assert time.monotonic() < deadline, "the engine did not stop"
+            time.sleep(0.3)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        _stop_detached_engine(tmp_path / "out")
 
 
 async def test_no_color_terminals_get_a_working_console(monkeypatch):
@@ -501,3 +533,157 @@ async def test_no_color_terminals_get_a_working_console(monkeypatch):
         await _settle(pilot)
         assert app.query_one(DatasetsTable).selected == "B2"
         assert app.is_running
+
+
+# ---- 80x24 first, every terminal ----------------------------------------------------------------
+
+
+def _eight_datasets() -> list:
+    names = ["sharegpt", "ultrachat-200k", "B2", "code-feedback", "magpie-reasoning-long-name", "math", "tools", "B8"]
+    events = [e for e in fixed_events() if not isinstance(e, DatasetProgress)]
+    for i, name in enumerate(names):
+        state = (DatasetState.RUNNING, DatasetState.DONE, DatasetState.PAUSED, DatasetState.QUEUED)[i % 4]
+        events.append(
+            DatasetProgress(
+                name,
+                state,
+                1_234_567 * (i + 1),
+                12_000_000,
+                28_210 + i,
+                in_flight=64,
+                req_per_s=11.2,
+                tok_per_s=6150.0,
+                eta_s=1281.0,
+                failures=i,
+                at=AT,
+            )
+        )
+    return events
+
+
+def _table_text(app) -> list[str]:
+    table = app.query_one(DatasetsTable)
+    return [table.render_line(y).text for y in range(table.size.height)]
+
+
+async def test_80x24_fits_the_screen_the_cursor_scrolls_and_numbers_are_whole():
+    app = EagleOpsApp(ScriptedLink(_eight_datasets()))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        for widget in ("#datasets", "#panes", "#log"):
+            region = app.query_one(widget).region
+            assert region.bottom <= 23, (widget, region)  # above the footer: nothing scrolled away
+        lines = _table_text(app)
+        header = lines[0]
+        for label in ("Dataset", "State", "Tokens", "%", "tok/s", "ETA"):
+            assert label in header, header  # the first columns by priority
+        assert "28,210" in "".join(lines) or "Samples" not in header  # a number is shown whole or not at all
+        assert lines[-1].lstrip().startswith("total (8)")
+        table = app.query_one(DatasetsTable)
+        await pilot.press("end")
+        await _settle(pilot)
+        assert table.selected == "B8" and any("B8" in line for line in _table_text(app)[1:-1])  # scrolled into view
+        await pilot.press("p")
+        await pilot.pause()
+        assert app.link.sent[-1] == Pause("B8")  # the dataset the user sees selected
+        await pilot.press("home")
+        await _settle(pilot)
+        assert any("sharegpt" in line for line in _table_text(app)[1:3])
+
+
+async def test_a_click_selects_the_row_clicked():
+    app = EagleOpsApp(ScriptedLink(_eight_datasets()))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _settle(pilot)
+        table = app.query_one(DatasetsTable)
+        for row in (2, 0, 4):
+            content = table.content_region
+            await pilot.click(DatasetsTable, offset=(content.x - table.region.x + 3, content.y - table.region.y + 1 + row))
+            await pilot.pause()
+            assert table.cursor == row
+
+
+async def test_the_newest_log_line_is_in_view_at_80x24():
+    app = EagleOpsApp(ScriptedLink(fixed_events() + [LogEvent("info", f"line {i}", at=AT) for i in range(60)]))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _until(pilot, lambda: any("line 59" in line for line in _log_lines(app)))
+        await _settle(pilot)
+        log = app.query_one("#log")
+        assert log.scroll_y >= log.max_scroll_y - 1  # at the bottom: the newest line shows
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40), (200, 60)])
+def test_snapshots_at_design_sizes(snap_compare, size):
+    async def before(pilot):
+        await _settle(pilot)
+
+    assert snap_compare(EagleOpsApp(ScriptedLink(_eight_datasets())), terminal_size=size, run_before=before)
+
+
+def test_kill_confirmation_fits_at_80x24(snap_compare):
+    async def before(pilot):
+        await _settle(pilot)
+        await pilot.press("K")
+        await pilot.pause()
+
+    assert snap_compare(EagleOpsApp(ScriptedLink(_eight_datasets())), terminal_size=(80, 24), run_before=before)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"NO_COLOR": "1", "TERM": "xterm-256color", "LANG": "en_US.UTF-8"},
+        {"TERM": "linux", "LANG": "en_US.UTF-8"},
+        {"TERM": "vt100", "LANG": "en_US.UTF-8"},
+        {"TERM": "dumb"},
+        {"LANG": "en_US.UTF-8"},  # no TERM at all
+        {"TERM": "xterm-256color", "LC_ALL": "C"},
+        {"TERM": "screen", "LANG": "en_US.ISO-8859-1"},
+    ],
+    ids=["no-color", "linux", "vt100", "dumb", "no-term", "c-locale", "latin-1"],
+)
+async def test_every_terminal_gets_a_readable_console(monkeypatch, env):
+    for name in ("NO_COLOR", "TERM", "LANG", "LC_ALL", "LC_CTYPE", "EAGLEOPS_ASCII"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    app = EagleOpsApp(ScriptedLink(_eight_datasets()))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        await pilot.press("down", "question_mark")
+        await pilot.pause()
+        await pilot.press("escape")
+        await _settle(pilot)
+        assert app.is_running and app.query_one(DatasetsTable).selected == "ultrachat-200k"
+        text = "".join(_table_text(app)) + str(app.query_one(StagesPane).render()) + str(app.query_one(GpuPane).render())
+        if "NO_COLOR" not in env:
+            assert app.ascii and text.isascii(), [c for c in text if not c.isascii()][:5]
+            assert app.query_one("#log").styles.border_top[0] == "ascii"
+
+
+async def test_ctrl_q_and_the_palette_detach_and_the_palette_has_every_action():
+    app = EagleOpsApp(ScriptedLink(fixed_events()))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for key in ("Pause (p)", "Resume (r)", "Budget (b)", "Kill (k)", "Kill run (K)", "Help (?)"):
+            assert key in titles, titles
+        await pilot.press("ctrl+q")
+        await _until(pilot, lambda: not app.is_running)
+    assert app.return_value == 0  # attached: closing the console leaves the run going
+
+
+async def test_ctrl_q_asks_before_stopping_an_in_process_run(tmp_path, fault_server):
+    source = write_jsonl(tmp_path / "a.jsonl", [{"id": f"p{i}", "prompt": f"x {i} [[tokens:10]] [[delay:0.1]]"} for i in range(500)])
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}], concurrency=2)
+    engine = Engine(config, progress_interval_s=0.1)
+    await engine.open()
+    app = EagleOpsApp(LocalLink(engine), refresh_s=0.1)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _until(pilot, lambda: "A" in app.state.datasets and app.state.datasets["A"].samples > 0)
+        await pilot.press("ctrl+q")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await _until(pilot, lambda: not app.is_running)
+    assert app.return_value == 130

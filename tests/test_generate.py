@@ -125,7 +125,7 @@ async def test_paid_api_spend_is_counted_and_projected(tmp_path, fault_server):
     config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": 1000}], concurrency=1)
     (progress,) = (await Engine(config).run()).datasets
     assert progress.cost == pytest.approx(0.002 * progress.samples)
-    assert f"spend ${progress.cost:.2f} (at budget ${progress.cost / progress.tokens * 1000:.2f})" in status_line(progress)
+    assert f"spend ${progress.cost:.2f}/${progress.cost / progress.tokens * 1000:.2f}" in status_line(progress)  # so far / at budget
 
 
 async def test_live_budget_up_resumes_and_down_stops_issuing(tmp_path, fault_server):

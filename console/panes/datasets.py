@@ -11,27 +11,31 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from pipeline.protocol.events import DatasetProgress
-from pipeline.protocol.report import dataset_cells
+from pipeline.protocol.report import dataset_cells, totals_cells
 
 from ..keymap import DATASET_KEYS, bindings
+from ..terminal import to_ascii
 
-__all__ = ["COLUMNS", "DatasetsTable"]
+__all__ = ["COLUMNS", "PRIORITY", "DatasetsTable", "layout"]
 
-COLUMNS = (
-    ("dataset", "Dataset", 10),
-    ("state", "State", 11),
+COLUMNS = (  # key, header, the most a cell may need (a longer dataset name is cut, never a number)
+    ("dataset", "Dataset", 24),
+    ("state", "State", 15),
     ("bar", "Budget", 16),
-    ("tokens", "Tokens", 13),
+    ("tokens", "Tokens", 15),
     ("percent", "%", 6),
-    ("samples", "Samples", 9),
+    ("samples", "Samples", 15),
     ("avg", "Avg len", 7),
     ("req_s", "req/s", 6),
     ("tok_s", "tok/s", 7),
     ("reasoning", "Think", 5),
     ("eta", "ETA", 7),
     ("in_flight", "In flight", 9),
-    ("failures", "Failed", 6),
+    ("failures", "Failed", 7),
 )
+# which columns a narrow terminal keeps, first to last (80 columns keep the first seven)
+PRIORITY = ("dataset", "state", "tokens", "percent", "tok_s", "eta", "samples", "failures", "in_flight", "req_s", "bar", "avg", "reasoning")
+_GAP = 2
 
 _RIGHT = {"tokens", "percent", "samples", "avg", "req_s", "tok_s", "reasoning", "eta", "in_flight", "failures"}
 _CURSOR = Style(reverse=True, bold=True)
@@ -39,20 +43,36 @@ _CURSOR = Style(reverse=True, bold=True)
 _STATE_STYLE = {
     "running": "bold green",
     "paused": "bold yellow",
-    "done": "cyan",
-    "over budget": "magenta",
+    "done": "green",
+    "over budget": "green",  # the budget reached, a little past it: the normal, successful end
     "killed": "bold red",
     "failed": "bold red",
     "queued": "dim",
 }
 
 
-class DatasetsTable(Widget, can_focus=True):
-    """One row per dataset, keyed by name, painted line by line (Textual's line API).
+def layout(widths: dict[str, int], available: int) -> list[tuple[str, str, int]]:
+    """The columns that fit in ``available`` cells, by priority, shown in their usual order.
+    Below 100 columns a long dataset name gives up width (it is cut with ~) before a column goes."""
+    widths = {**widths, "dataset": min(widths["dataset"], 16 if available < 100 else 24)}
+    chosen: set[str] = set()
+    used = 0
+    for key in PRIORITY:
+        need = widths[key] + (_GAP if chosen else 0)
+        if used + need <= available:
+            chosen.add(key)
+            used += need
+    return [(key, label, widths[key]) for key, label, _ in COLUMNS if key in chosen]
 
-    A row is turned into segments only when one of its cells or the cursor moved, so a tick in
-    which three numbers changed costs three rows, not the whole table (DataTable re-renders every
-    cell on any update; at 1 Hz with 8 datasets that was most of the console's CPU).
+
+class DatasetsTable(Widget, can_focus=True):
+    """One row per dataset, keyed by name, painted line by line (Textual's line API), with a
+    totals row at the bottom; the rows scroll to keep the cursor in view.
+
+    A row is turned into segments only when one of its cells, the layout or the cursor moved,
+    so a tick in which three numbers changed costs three rows, not the whole table.
+    Columns are as wide as their widest cell so far (never narrower: no jitter), and when the
+    terminal is narrow the lowest-priority columns go, never a part of a number.
     """
 
     BINDINGS = bindings(DATASET_KEYS)
@@ -61,8 +81,10 @@ class DatasetsTable(Widget, can_focus=True):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._cells: dict[str, dict[str, str]] = {}
-        self._strips: dict[tuple[str, bool, int], Strip] = {}
-        self._header: tuple[int, Strip] | None = None
+        self._totals: dict[str, str] = {}
+        self._widths = {key: len(label) for key, label, _ in COLUMNS}
+        self._strips: dict[tuple, Strip] = {}
+        self._top = 0  # the first dataset row shown
 
     @property
     def row_count(self) -> int:
@@ -80,16 +102,31 @@ class DatasetsTable(Widget, can_focus=True):
     def cell(self, name: str, key: str) -> str:
         return self._cells[name][key]
 
+    @property
+    def visible_rows(self) -> int:
+        return max(1, self.size.height - 2)  # less the header and the totals
+
     def action_cursor(self, step: int) -> None:
         if self._cells:
             self.cursor = max(0, min(len(self._cells) - 1, self.cursor + step))
 
-    def watch_cursor(self) -> None:
+    def watch_cursor(self, cursor: int) -> None:
+        rows = self.visible_rows
+        if cursor < self._top:
+            self._top = cursor
+        elif cursor >= self._top + rows:
+            self._top = cursor - rows + 1
         self.refresh()
 
+    def on_resize(self) -> None:
+        self.watch_cursor(self.cursor)
+
     def on_click(self, event: Click) -> None:
-        row = event.y - 1
-        if 0 <= row < len(self._cells):
+        offset = event.get_content_offset(self)
+        if offset is None:
+            return
+        row = self._top + offset.y - 1
+        if offset.y >= 1 and 0 <= row < len(self._cells) and offset.y < self.size.height - 1:
             self.cursor = row
 
     def show(self, datasets: dict[str, DatasetProgress]) -> None:
@@ -100,50 +137,76 @@ class DatasetsTable(Widget, can_focus=True):
                 self._cells[name] = cells
                 changed = True
         if changed:
+            self._totals = totals_cells(list(datasets.values()))
+            for cells in (*self._cells.values(), self._totals):
+                for key, _, most in COLUMNS:
+                    self._widths[key] = max(self._widths[key], min(most, len(cells.get(key, ""))))
             self.refresh()
 
     # ---- painting -------------------------------------------------------------------------
-    def _line(self, values: list[Text], width: int, style: Style) -> Strip:
-        line = Text(no_wrap=True, overflow="ellipsis", style=style)
-        for (key, _, col_width), value in zip(COLUMNS, values):
-            value.truncate(col_width, overflow="ellipsis")
+    def _columns(self) -> list[tuple[str, str, int]]:
+        return layout(self._widths, self.size.width)
+
+    def _line(self, columns: list[tuple[str, str, int]], values: dict[str, Text], width: int, style: Style) -> Strip:
+        line = Text(no_wrap=True, overflow="crop", style=style)
+        for i, (key, _, col_width) in enumerate(columns):
+            value = values[key]
+            if value.cell_len > col_width:  # only names get here: numbers are never wider than their column
+                value.truncate(col_width - 1)
+                value.append("~")
             if key in _RIGHT:
                 value.pad_left(col_width - value.cell_len)
             else:
                 value.pad_right(col_width - value.cell_len)
+            if i:
+                line.append(" " * _GAP)
             line.append_text(value)
-            line.append("  ")
         # every segment styled: Textual's NO_COLOR filter reads each segment's style and would
         # crash on the bare ones Rich emits for padding
         segments = [Segment(text, style or Style.null(), control) for text, style, control in line.render(self.app.console)]
         return Strip(segments).crop_extend(0, width, style)
 
+    def _row_values(self, cells: dict[str, str]) -> dict[str, Text]:
+        if getattr(self.app, "ascii", False):
+            cells = {k: to_ascii(v) for k, v in cells.items()}
+        return {
+            k: Text(cells.get(k, ""), style=_STATE_STYLE.get(cells.get(k, ""), "") if k == "state" else ("green" if k == "bar" else ""))
+            for k, _, _ in COLUMNS
+        }
+
     def render_line(self, y: int) -> Strip:
         width = self.size.width
         base = self.rich_style
+        columns = self._columns()
+        shape = (width, tuple(c[2] for c in columns))
         if y == 0:
-            if self._header is None or self._header[0] != width:
-                header_style = base + Style(bold=True)
-                self._header = (width, self._line([Text(label) for _, label, _ in COLUMNS], width, header_style))
-            return self._header[1]
+            return self._cached(
+                ("header", shape), lambda: self._line(columns, {k: Text(label) for k, label, _ in COLUMNS}, width, base + Style(bold=True))
+            )
+        if y == self.size.height - 1 and self._cells:
+            totals = self._totals
+            return self._cached(
+                ("totals", shape, tuple(totals.values())),
+                lambda: self._line(columns, self._row_values(totals), width, base + Style(bold=True)),
+            )
+        row = self._top + y - 1
         names = self.names
-        row = y - 1
         if row >= len(names):
             return Strip.blank(width, base)
         name = names[row]
         selected = row == self.cursor and self.has_focus
         cells = self._cells[name]
-        key = (name, selected, width, tuple(cells.values()))
+        style = base + _CURSOR if selected else base
+        return self._cached(
+            (name, selected, shape, tuple(cells.values())), lambda: self._line(columns, self._row_values(cells), width, style)
+        )
+
+    def _cached(self, key: tuple, paint) -> Strip:
         strip = self._strips.get(key)
         if strip is None:
-            style = base + _CURSOR if selected else base
-            values = [
-                Text(cells[k], style=_STATE_STYLE.get(cells[k], "") if k == "state" else ("green" if k == "bar" else ""))
-                for k, _, _ in COLUMNS
-            ]
-            strip = self._line(values, width, style)
-            self._strips = {k: v for k, v in self._strips.items() if k[0] != name or k[1] != selected}
-            self._strips[key] = strip
+            if len(self._strips) > 4 * (len(self._cells) + 2):
+                self._strips.clear()  # old widths, old numbers: painted again on demand
+            strip = self._strips[key] = paint()
         return strip
 
     def on_focus(self) -> None:

@@ -13,6 +13,7 @@ __all__ = ["StagesPane"]
 
 
 _STAGE_MARK = {
+    StageStatus.SKIPPED: " ",
     StageStatus.PENDING: "·",
     StageStatus.RUNNING: "▶",
     StageStatus.PAUSED: "‖",
@@ -31,6 +32,8 @@ class StagesPane(TextPane):
         for name in ALL_STAGES:
             stage = state.stages.get(name)
             status = stage.status if stage else StageStatus.PENDING
+            if status == StageStatus.SKIPPED:
+                continue  # not in this run: nothing to wait for
             line = f"{_STAGE_MARK[status]} {name:<9} {status.value:<8}"
             progress = state.stage_progress.get(name)
             if progress is not None and progress.total and status in (StageStatus.RUNNING, StageStatus.PAUSED):

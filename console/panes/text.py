@@ -5,6 +5,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widget import Widget
 
+from ..terminal import to_ascii
+
 __all__ = ["TextPane"]
 
 
@@ -18,9 +20,13 @@ class TextPane(Widget):
         self._text = ""
 
     def render(self) -> Text:
+        if getattr(self.app, "ascii", False):
+            return Text(self._text, no_wrap=True, overflow="crop")
         return Text(self._text, no_wrap=True, overflow="ellipsis")
 
     def show_text(self, text: str) -> None:
+        if getattr(self.app, "ascii", False):
+            text = to_ascii(text)
         if text != self._text:
             self._text = text
             self.refresh()

@@ -231,6 +231,9 @@ class RunConfig:
     )
     flush_interval_s: float = setting(0.5, "seconds between durable batches", check=Check(lambda v: v > 0, "must be positive"))
     status_interval_s: float = setting(5.0, "seconds between `--no-tui` status lines", check=Check(lambda v: v > 0, "must be positive"))
+    retry_log_interval_s: float = setting(
+        5.0, "retries are logged as one count per dataset this often, not one line each", check=Check(lambda v: v > 0, "must be positive")
+    )
     stages: tuple[str, ...] | None = setting(
         None,
         "stages to run, in pipeline order; default all with `[target]`, else generate",

@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import DatasetConfig, format_tokens
+from pipeline.engine.digest import CURRENT_REQUEST
 from pipeline.generate.client import Completion, PermanentFailure, RateMeter
 from pipeline.generate.conversation import assistant_turn, regenerate_all
 from pipeline.generate.sources import BadLine, Prompt, SourceReader
@@ -168,6 +169,7 @@ class DatasetRunner:
         self.engine.log("error", item.message, self.config.name)
 
     async def _request(self, prompt: Prompt) -> None:
+        CURRENT_REQUEST.set((self.config.name, prompt.prompt_id))  # this task's own context: names its retries
         try:
             if self.config.regenerate == "all":
                 conversation, completion, written = await regenerate_all(self.engine.client, prompt.messages, self.thinking)
@@ -298,7 +300,7 @@ class DatasetRunner:
 
     def progress(self) -> DatasetProgress:
         totals = self.store.accepted
-        req_s, tok_s = self.meter.rates()
+        req_s, tok_s = self.meter.rates() if not self.state.terminal else (0.0, 0.0)  # a stopped dataset makes nothing
         remaining = self.budget - totals.tokens
         eta = remaining / tok_s if (tok_s > 0 and remaining > 0 and self.state == DatasetState.RUNNING) else None
         return DatasetProgress(

@@ -21,6 +21,7 @@ from pipeline.config import ALL_STAGES, EndpointConfig, RunConfig, format_tokens
 from pipeline.engine.bus import EventBus, Subscription
 from pipeline.engine.commands import EngineCommands
 from pipeline.engine.datasets import DatasetRunner
+from pipeline.engine.digest import RetryDigest
 from pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, read_host, scrape_metrics, server_metrics
 from pipeline.errors import EagleOpsError, RunError
 from pipeline.files import try_lock
@@ -54,7 +55,7 @@ class RunSummary:
         return (
             not self.killed
             and all(d.state == DatasetState.DONE for d in self.datasets)
-            and all(s in (StageStatus.DONE, StageStatus.PENDING) for s in self.stages.values())
+            and all(s in (StageStatus.DONE, StageStatus.PENDING, StageStatus.SKIPPED) for s in self.stages.values())
         )
 
 
@@ -79,7 +80,7 @@ class Engine(EngineCommands):
         self.bus = EventBus(self.snapshot)
         self.runners: dict[str, DatasetRunner] = {}
         self.stages = tuple(stages) if stages is not None else config.stage_names
-        self.stage_states: dict[str, StageState] = {name: StageState(name, StageStatus.PENDING) for name in STAGES}
+        self.stage_states = {name: StageState(name, StageStatus.PENDING if name in self.stages else StageStatus.SKIPPED) for name in STAGES}
         self.stage_results: dict[str, object] = {}
         self._stage_ctx: StageContext | None = None
         self.slots = asyncio.Semaphore(config.concurrency)
@@ -333,11 +334,15 @@ class Engine(EngineCommands):
         self.client = ChatClient(
             session, self.pool, self.config.sampling, self.config.retry, TokenCounter(self.config.tokenizer), redact=self.redact
         )
-        self.client.on_retry = lambda reason, delay: self.log("warning", f"retry in {delay:.1f}s: {reason}")
+        digest = RetryDigest(self.log, self.config.retry_log_interval_s)
+        self.client.on_retry = lambda endpoint, reason, delay: digest.note(endpoint, reason)
         self.client.on_warning = lambda message: self.log("warning", message)
         self.pool.on_health = self.log
         self._set_stage("generate", StageStatus.RUNNING)
-        helpers = [asyncio.create_task(self._flusher(), name="flusher"), asyncio.create_task(self._ticker(), name="ticker")]
+        helpers = [
+            asyncio.create_task(coro, name=name)
+            for coro, name in ((self._flusher(), "flusher"), (self._ticker(), "ticker"), (digest.run(), "retry digest"))
+        ]
         try:
             for runner in self.runners.values():
                 self._start(runner)

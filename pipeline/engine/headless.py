@@ -7,13 +7,14 @@ import contextlib
 import os
 import signal
 import sys
+import textwrap
 import time
 from typing import TextIO
 
 from pipeline.config import RunConfig
 from pipeline.engine import Engine, RunSummary
 from pipeline.protocol.events import DatasetProgress, DatasetState, StageProgress
-from pipeline.protocol.report import format_event, json_line, status_line
+from pipeline.protocol.report import STATUS_WIDTH, format_event, json_line, status_line, totals_line
 
 __all__ = ["exit_code", "run_headless", "install_kill_signals"]
 
@@ -38,9 +39,16 @@ def install_kill_signals(engine: Engine) -> None:
             os._exit(EXIT_KILLED)  # the manifest is always consistent on disk; nothing to save
         engine.kill()
 
+    def on_hangup() -> None:  # the terminal went (an SSH drop): the run goes on, its output nowhere
+        for stream in (sys.stdout, sys.stderr):
+            _silence(stream)
+        engine.log("warning", "terminal hung up; the run goes on (eagleops attach / status / kill)")
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, on_signal)
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
 
 
 async def _print_events(engine: Engine, out: TextIO, as_json: bool, every_s: float) -> None:
@@ -59,10 +67,19 @@ def _silence(out: TextIO) -> None:
         os.close(devnull)
 
 
+def _wrapped(line: str, width: int = 100) -> str:
+    """A long log line on several lines within ``width``, continued under its message."""
+    if len(line) <= width:
+        return line
+    return "\n".join(textwrap.wrap(line, width, subsequent_indent=" " * 17, break_on_hyphens=False))
+
+
 async def _print_loop(engine: Engine, out: TextIO, as_json: bool, every_s: float) -> None:
+    """JSON: every event. Lines: a dataset when its state changes, else at most every ``every_s``
+    and only if something in it changed (a finished dataset is not reprinted); each line
+    timestamped and within 100 columns."""
     latest: dict[str, DatasetProgress] = {}
-    last_states: dict[str, DatasetState] = {}
-    last_print = time.monotonic()
+    printed: dict[str, tuple[str, DatasetState, float]] = {}  # name -> (line, state, when)
     last_stage_print = 0.0
     async for event in engine.subscribe():
         if as_json:
@@ -71,13 +88,11 @@ async def _print_loop(engine: Engine, out: TextIO, as_json: bool, every_s: float
             continue
         if isinstance(event, DatasetProgress):
             latest[event.name] = event
-            if last_states.get(event.name) != event.state:
-                last_states[event.name] = event.state
+            line, now = status_line(event), time.monotonic()
+            before = printed.get(event.name)
+            if before is None or before[1] != event.state or (line != before[0] and now - before[2] >= every_s):
+                printed[event.name] = (line, event.state, now)
                 out.write(format_event(event) + "\n")
-            if time.monotonic() - last_print >= every_s:
-                last_print = time.monotonic()
-                for progress in latest.values():
-                    out.write(status_line(progress) + "\n")
                 out.flush()
         elif isinstance(event, StageProgress):
             if time.monotonic() - last_stage_print >= every_s or event.done >= event.total:
@@ -85,12 +100,13 @@ async def _print_loop(engine: Engine, out: TextIO, as_json: bool, every_s: float
                 out.write(format_event(event) + "\n")
                 out.flush()
         elif (line := format_event(event)) is not None and event.kind != "endpoint":
-            out.write(line + "\n")
+            out.write(_wrapped(line) + "\n")
             out.flush()
-    if not as_json and latest:
+    if latest:
         out.write("summary:\n")
         for progress in latest.values():
-            out.write("  " + status_line(progress) + "\n")
+            out.write(f"  {status_line(progress, STATUS_WIDTH + 7)}\n")
+        out.write(f"  {totals_line(list(latest.values()), STATUS_WIDTH + 7)}\n")
         out.flush()
 
 

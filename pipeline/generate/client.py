@@ -144,7 +144,7 @@ class ChatClient:
         self.max_reply_bytes = int(retry.max_reply_mb * 2**20)
         self.on_warning = None  # callable(message: str): a server's numbers not trusted
         self._timeout = aiohttp.ClientTimeout(total=retry.timeout_s, sock_connect=min(30.0, retry.timeout_s))
-        self.on_retry = None  # callable(reason: str, delay: float) for logging
+        self.on_retry = None  # callable(endpoint: str, reason: str, delay: float), for the log
 
     def _body(self, endpoint: EndpointState, messages: tuple[dict[str, Any], ...], thinking: str) -> bytes:
         ep = endpoint.config
@@ -185,7 +185,7 @@ class ChatClient:
                 # another healthy endpoint takes the retry at once; the same one only after a backoff
                 delay = 0.0 if self.pool.healthy_other_than(endpoint) else self.backoff(attempt, retry_after)
                 if self.on_retry is not None:
-                    self.on_retry(f"{endpoint.config.label}: {exc.reason}", delay)
+                    self.on_retry(endpoint.config.label, exc.reason, delay)
             except PermanentFailure as exc:
                 endpoint.errors += 1
                 raise PermanentFailure(exc.reason, attempt) from None

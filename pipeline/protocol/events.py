@@ -50,6 +50,7 @@ class DatasetState(StrEnum):
 
 
 class StageStatus(StrEnum):
+    SKIPPED = "skipped"  # not one of this run's stages
     PENDING = "pending"
     RUNNING = "running"
     PAUSED = "paused"

@@ -9,6 +9,7 @@ from pipeline.config import format_tokens
 from pipeline.protocol.events import DatasetProgress, EndpointStats, Event, LogEvent, StageMetrics, StageProgress, StageState
 
 __all__ = [
+    "STATUS_WIDTH",
     "dataset_cells",
     "format_bytes",
     "format_duration",
@@ -20,6 +21,8 @@ __all__ = [
     "sparkline",
     "stage_progress_line",
     "status_line",
+    "totals_cells",
+    "totals_line",
 ]
 
 
@@ -85,6 +88,7 @@ def dataset_cells(p: DatasetProgress) -> dict[str, str]:
     state = p.state.value
     if p.state.value == "done" and p.overshoot:
         state = "over budget"
+    stopped = p.state.terminal  # a stopped dataset makes nothing: no rates, no ETA, nothing in flight
     return {
         "dataset": p.name,
         "state": state,
@@ -93,10 +97,10 @@ def dataset_cells(p: DatasetProgress) -> dict[str, str]:
         "percent": f"{100 * p.fraction:.1f}%",
         "samples": f"{p.samples:,}" + (f"/{p.max_samples:,}" if p.max_samples else ""),
         "avg": f"{p.mean_completion:.0f}",
-        "req_s": format_rate(p.req_per_s),
-        "tok_s": format_rate(p.tok_per_s),
+        "req_s": "-" if stopped else format_rate(p.req_per_s),
+        "tok_s": "-" if stopped else format_rate(p.tok_per_s),
         "reasoning": f"{100 * p.reasoning_share:.0f}%" if p.reasoning_tokens else "-",
-        "eta": format_duration(p.eta_s),
+        "eta": "-" if stopped else format_duration(p.eta_s),
         "in_flight": str(p.in_flight),
         "failures": str(p.failures + p.bad_lines),
         "truncated": str(p.truncated),
@@ -106,29 +110,78 @@ def dataset_cells(p: DatasetProgress) -> dict[str, str]:
     }
 
 
-def status_line(p: DatasetProgress) -> str:
+STATUS_WIDTH = 91  # a status line; with its 9-column clock it fits 100 columns
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "~"
+
+
+def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
+    """One dataset in at most ``width`` columns: the numbers first, extras while they fit."""
     c = dataset_cells(p)
-    parts = [
-        f"{c['dataset']:<12}",
-        f"{c['state']:<11}",
-        f"{c['tokens']:>15} tok ({c['percent']:>6})",
-        f"samples {c['samples']}",
-        f"avg {c['avg']}",
-        f"req/s {c['req_s']}",
-        f"tok/s {c['tok_s']}",
-        f"ETA {c['eta']}",
-        f"in-flight {c['in_flight']}",
-        f"failed {c['failures']}",
-    ]
+    parts = [f"{_fit(c['dataset'], 14):<14} {c['state']:<11} {c['tokens']:>13} {c['percent']:>6}", f"{c['samples']} smp"]
+    if not p.state.terminal:
+        parts += [f"{c['tok_s']} tok/s", f"ETA {c['eta']}", f"fly {c['in_flight']}"]
+    parts.append(f"failed {c['failures']}")
+    extras = []
     if p.reasoning_tokens:
-        parts.append(f"thinking {c['reasoning']}")
+        extras.append(f"thinking {c['reasoning']}")
     if p.truncated:
-        parts.append(f"length-cut {c['truncated']}")
+        extras.append(f"cut {c['truncated']}")
     if c["cost"]:
-        parts.append(f"spend {c['cost']} (at budget {c['projected_cost']})")
-    if p.reason and p.state.terminal:
-        parts.append(f"[{p.reason}]")
-    return "  ".join(parts)
+        extras.append(f"spend {c['cost']}/{c['projected_cost']}")  # so far / at the whole budget
+    if p.reason and (p.state.terminal or p.state.value == "paused"):
+        extras.append(f"[{p.reason}]")
+    line = "  ".join(parts)
+    for extra in extras:
+        if len(line) + 2 + len(extra) <= width:
+            line += "  " + extra
+        elif extra.startswith("["):  # the reason matters more than fitting whole: cut it
+            line = _fit(line + "  " + extra, width)
+    return line
+
+
+def totals_cells(progress: list[DatasetProgress]) -> dict[str, str]:
+    """The console's totals row, in the dataset columns: sums, the whole run's ETA and spend."""
+    tokens = sum(p.tokens for p in progress)
+    budget = sum(max(p.budget, p.tokens) for p in progress)
+    live = [p for p in progress if not p.state.terminal]
+    rate = sum(p.tok_per_s for p in live)
+    left = sum(max(0, p.budget - p.tokens) for p in live)
+    cost = sum(p.cost for p in progress)
+    return {
+        "dataset": f"total ({len(progress)})",
+        "state": (f"${cost:.2f}/${cost / tokens * budget:.2f}" if tokens else f"${cost:.2f}") if cost else "",  # spent / at budget
+        "tokens": f"{format_tokens(tokens)}/{format_tokens(budget)}",
+        "bar": progress_bar(tokens / budget if budget else 0.0),
+        "percent": f"{100 * tokens / budget:.1f}%" if budget else "-",
+        "samples": f"{sum(p.samples for p in progress):,}",
+        "avg": f"{tokens / max(1, sum(p.samples for p in progress)):.0f}",
+        "req_s": format_rate(sum(p.req_per_s for p in live)),
+        "tok_s": format_rate(rate),
+        "reasoning": "",
+        "eta": format_duration(left / rate) if rate > 0 and left else "-",
+        "in_flight": str(sum(p.in_flight for p in progress)),
+        "failures": str(sum(p.failures + p.bad_lines for p in progress)),
+    }
+
+
+def totals_line(progress: list[DatasetProgress], width: int = STATUS_WIDTH) -> str:
+    """Every dataset together: tokens against budgets, samples, failures, spend, the run's ETA."""
+    tokens = sum(p.tokens for p in progress)
+    budget = sum(max(p.budget, p.tokens) for p in progress)
+    rate = sum(p.tok_per_s for p in progress if not p.state.terminal)
+    left = sum(max(0, p.budget - p.tokens) for p in progress if not p.state.terminal)
+    eta = format_duration(left / rate) if rate > 0 and left else "-"
+    cost = sum(p.cost for p in progress)
+    line = (
+        f"{'total':<14} {len(progress)} datasets {format_tokens(tokens):>7}/{format_tokens(budget)}  "
+        f"{sum(p.samples for p in progress):,} smp  failed {sum(p.failures + p.bad_lines for p in progress)}  ETA {eta}"
+    )
+    if cost:
+        line += f"  spend ${cost:.2f}/${cost / tokens * budget:.2f}" if tokens else f"  spend ${cost:.2f}"
+    return _fit(line, width)
 
 
 def _clock(at: float) -> str:
@@ -150,7 +203,7 @@ def format_event(event: Event) -> str | None:
             f"tok/s {format_rate(event.tok_per_s)}  p50 {p50}  p95 {p95}  errors {event.errors}"
         )
     if isinstance(event, DatasetProgress):
-        return f"{_clock(event.at)} DATA    {status_line(event)}"
+        return f"{_clock(event.at)} {status_line(event)}"
     if isinstance(event, StageProgress):
         return f"{_clock(event.at)} PROGRESS {stage_progress_line(event)}"
     if isinstance(event, StageMetrics):
