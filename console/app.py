@@ -14,7 +14,7 @@ from textual import events
 from textual.app import App, ComposeResult, SystemCommand
 from textual.containers import Horizontal
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Log
+from textual.widgets import Footer, Header
 from textual.worker import Worker, WorkerState
 
 from pipeline.config import RunConfig
@@ -23,12 +23,13 @@ from pipeline.engine.headless import exit_code
 from pipeline.errors import UsageError
 from pipeline.protocol.control import ControlError
 from pipeline.protocol.events import Command, Kill, LogEvent, Pause, Resume, SetBudget, StageState
-from pipeline.protocol.report import format_event
+from pipeline.protocol.report import detail_text, format_event
 
 from .keymap import APP_KEYS, bindings
 from .link import EngineLink, LocalLink, SocketLink
+from .logview import LEVELS, LogView
 from .panes import DatasetsTable, GpuPane, ServerPane, StagesPane
-from .screens import BudgetScreen, ConfirmScreen, HelpScreen
+from .screens import BudgetScreen, ConfirmScreen, DetailScreen, HelpScreen, SearchScreen
 from .state import ConsoleState
 from .terminal import ascii_only
 
@@ -84,9 +85,7 @@ class EagleOpsApp(App[int]):
             yield GpuPane(id="gpu")
             yield ServerPane(id="server")
             yield StagesPane(id="stages")
-        log = Log(id="log", max_lines=5000, auto_scroll=True)
-        log.border_title = "Log"
-        yield log
+        yield LogView(id="log")
         yield Footer(show_command_palette=not self.ascii)  # its separator is a block glyph; Ctrl+P still opens it
 
     async def on_mount(self) -> None:
@@ -116,7 +115,7 @@ class EagleOpsApp(App[int]):
             async for event in self.link.events():
                 self.state.apply(event)
                 if isinstance(event, LogEvent):
-                    self.write_log(format_event(event) or event.message, event.level)
+                    self.write_log(format_event(event) or event.message, event.level, event.dataset)
                 elif isinstance(event, StageState) and not self.state.datasets:
                     self.refresh_panes()  # first paint without waiting a tick
         except (ControlError, ConnectionError, OSError) as exc:
@@ -128,8 +127,8 @@ class EagleOpsApp(App[int]):
         else:
             self.write_log("the run has finished; press q to quit", "info")
 
-    def write_log(self, line: str, level: str = "info") -> None:
-        self.query_one("#log", Log).write_line(line)
+    def write_log(self, line: str, level: str = "info", dataset: str | None = None) -> None:
+        self.query_one(LogView).add(line, level, dataset)
 
     def refresh_panes(self) -> None:
         if self.state.version == self._rendered_version:
@@ -220,6 +219,39 @@ class EagleOpsApp(App[int]):
                 self.dispatch(Kill())
 
         self.push_screen(ConfirmScreen("Kill the whole run? In-flight requests are cancelled; finished work is kept."), confirmed)
+
+    def action_detail(self) -> None:
+        if (name := self._selected()) is not None:
+            self.run_worker(self._show_detail(name), name=f"detail {name}", group="commands", exit_on_error=False)
+
+    async def _show_detail(self, name: str) -> None:
+        try:
+            detail = await asyncio.wait_for(self.link.detail(name), timeout=self.command_timeout_s)
+        except (TimeoutError, ControlError, ConnectionError, OSError) as exc:
+            self.write_log(f"detail {name}: {exc or 'no answer'}", "error")
+            self.bell()
+            return
+        self.push_screen(DetailScreen(detail_text(detail)))
+
+    def action_sort(self) -> None:
+        order = self.query_one(DatasetsTable).next_sort()
+        self.write_log(f"datasets sorted by {order}")
+
+    def action_log_level(self) -> None:
+        log = self.query_one(LogView)
+        log.refilter(level=LEVELS[(LEVELS.index(log.level) + 1) % len(LEVELS)])
+
+    def action_log_dataset(self) -> None:
+        log = self.query_one(LogView)
+        log.refilter(dataset=None if log.dataset is not None else self.query_one(DatasetsTable).selected)
+
+    def action_log_search(self) -> None:
+        log = self.query_one(LogView)
+        self.push_screen(SearchScreen(log.search), lambda text: log.refilter(search=text) if text is not None else None)
+
+    def action_log_page(self, pages: int) -> None:
+        log = self.query_one(LogView)
+        log.scroll_to(y=log.scroll_y + pages * max(1, log.scrollable_content_region.height - 1), animate=False)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

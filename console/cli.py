@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
@@ -13,7 +14,7 @@ from pipeline.config import load_run, parse_tokens
 from pipeline.errors import EagleOpsError
 from pipeline.protocol.control import ControlClient, ControlError, find_sockets, runtime_dir
 from pipeline.protocol.events import DatasetProgress, Kill, Pause, Resume, SetBudget
-from pipeline.protocol.report import format_event, json_line, status_line
+from pipeline.protocol.report import detail_text, format_event, json_line, status_line
 
 EXIT_USAGE = 2
 
@@ -62,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show a running engine's datasets")
     status.add_argument("--json", action="store_true")
     add_socket(status)
+    detail = sub.add_parser("detail", help="one dataset in detail: failures by reason, latency, endpoints")
+    detail.add_argument("dataset")
+    detail.add_argument("--json", action="store_true")
+    add_socket(detail)
     for name, what in (
         ("pause", "stop issuing requests (in-flight finish)"),
         ("resume", "resume issuing"),
@@ -110,6 +115,10 @@ async def _remote(args: argparse.Namespace) -> int:
                     print(status_line(event))
                 elif event.kind in ("stage", "endpoint") and (line := format_event(event)):
                     print(line)
+            return 0
+        if args.command == "detail":
+            detail = await client.detail(args.dataset)
+            print(json.dumps(detail, indent=1) if args.json else detail_text(detail))
             return 0
         if args.command == "budget":
             try:

@@ -25,7 +25,18 @@ class Key:
         return _SHOWN_AS.get(self.key, self.key)
 
 
-_SHOWN_AS = {"up": "↑", "down": "↓", "home": "Home", "end": "End", "question_mark": "?", "ctrl+q": "Ctrl+Q"}
+_SHOWN_AS = {
+    "up": "↑",
+    "down": "↓",
+    "home": "Home",
+    "end": "End",
+    "question_mark": "?",
+    "ctrl+q": "Ctrl+Q",
+    "enter": "Enter",
+    "slash": "/",
+    "pageup": "PgUp",
+    "pagedown": "PgDn",
+}
 
 # Bound on the datasets table, not the app: they move its cursor.
 DATASET_KEYS = (
@@ -43,6 +54,13 @@ APP_KEYS = (
     Key("b", "budget", "Budget", "set the selected dataset's token budget, live (10M, 500k, 120000)"),
     Key("k", "kill", "Kill", "kill the selected dataset (asks first)"),
     Key("K", "kill_all", "Kill run", "kill the whole run (asks first)", in_footer=False),
+    Key("enter", "detail", "Detail", "the selected dataset in detail: failures by reason, latency, endpoints, cuts"),
+    Key("s", "sort", "Sort", "sort the datasets: source order, progress, tok/s, failures, state", in_footer=False),
+    Key("l", "log_level", "Log level", "the log: every line, warnings and worse, errors only", in_footer=False),
+    Key("f", "log_dataset", "Log dataset", "the log: only the selected dataset's lines (again: all)", in_footer=False),
+    Key("slash", "log_search", "Search", "the log: only lines containing a text", in_footer=False),
+    Key("pageup", "log_page(-1)", "Log up", "scroll the log (the mouse wheel does too)", in_footer=False),
+    Key("pagedown", "log_page(1)", "Log down", "scroll the log (the mouse wheel does too)", in_footer=False),
     Key("question_mark", "help", "Help", "the help screen: every key and what it does"),
     Key(
         "q",

@@ -9,10 +9,10 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from pipeline.engine import Engine, RunSummary
-from pipeline.protocol.control import ControlClient
+from pipeline.protocol.control import ControlClient, ControlError
 from pipeline.protocol.events import Ack, Command, Event
 
 __all__ = ["EngineLink", "LocalLink", "SocketLink"]
@@ -25,6 +25,8 @@ class EngineLink(Protocol):
     def events(self) -> AsyncIterator[Event]: ...
 
     async def send(self, command: Command) -> Ack: ...
+
+    async def detail(self, name: str) -> dict[str, Any]: ...
 
     async def start(self) -> None: ...
 
@@ -51,6 +53,12 @@ class LocalLink:
 
     async def send(self, command: Command) -> Ack:
         return await self.engine.execute(command)
+
+    async def detail(self, name: str) -> dict[str, Any]:
+        answer = await self.engine.detail(name)
+        if not answer.get("ok"):
+            raise ControlError(str(answer.get("message")))
+        return answer["detail"]
 
     async def stop(self) -> None:
         """Quit = kill: in-flight requests cancelled, finished work kept, resumable."""
@@ -84,6 +92,9 @@ class SocketLink:
 
     async def send(self, command: Command) -> Ack:
         return await self.client.send(command)
+
+    async def detail(self, name: str) -> dict[str, Any]:
+        return await self.client.detail(name)
 
     async def stop(self) -> None:
         await self.client.close()  # detach: the engine keeps running

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -13,7 +14,7 @@ from pipeline.config import format_tokens, parse_tokens
 from .keymap import help_markup
 from .terminal import to_ascii
 
-__all__ = ["BudgetScreen", "ConfirmScreen", "HelpScreen"]
+__all__ = ["BudgetScreen", "ConfirmScreen", "DetailScreen", "HelpScreen", "SearchScreen"]
 
 
 class BudgetScreen(ModalScreen[int | None]):
@@ -81,4 +82,43 @@ class HelpScreen(ModalScreen[None]):
             yield Static(to_ascii(HELP) if getattr(self.app, "ascii", False) else HELP)
 
     def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class DetailScreen(ModalScreen[None]):
+    """One dataset in detail: failures by reason, latency, endpoints, truncation."""
+
+    BINDINGS = [Binding("escape,enter,q", "close", "Close")]
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Static(escape(to_ascii(self.text) if getattr(self.app, "ascii", False) else self.text))
+            yield Static("[dim]Esc closes[/dim]")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class SearchScreen(ModalScreen[str | None]):
+    """Ask for a text the log must contain; empty shows every line again."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, current: str):
+        super().__init__()
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label("Show log lines containing (empty: all lines)")
+            yield Input(value=self.current, id="search-input")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip())
+
+    def action_cancel(self) -> None:
         self.dismiss(None)

@@ -14,14 +14,16 @@ from pathlib import Path
 
 import pytest
 from rich.text import Text
+from textual.widgets import Static
 
 from console.app import EagleOpsApp
 from console.keymap import KEYMAP, help_rows, markdown_table
 from console.link import LocalLink, SocketLink
 from console.panes import DatasetsTable, GpuPane, StagesPane
-from console.screens import HELP, ConfirmScreen, HelpScreen
+from console.screens import HELP, ConfirmScreen, DetailScreen, HelpScreen
 from pipeline.engine import Engine
 from pipeline.engine.telemetry import NvmlReader, parse_prometheus, server_metrics
+from pipeline.protocol.control import ControlClient
 from pipeline.protocol.events import (
     Ack,
     DatasetProgress,
@@ -687,3 +689,48 @@ async def test_ctrl_q_asks_before_stopping_an_in_process_run(tmp_path, fault_ser
         await pilot.press("y")
         await _until(pilot, lambda: not app.is_running)
     assert app.return_value == 130
+
+
+async def test_sorting_keeps_the_cursor_on_its_dataset_and_the_log_filters():
+    events = _eight_datasets() + [LogEvent("warning", "B2 is slow", "B2", at=AT), LogEvent("info", "math started", "math", at=AT)]
+    app = EagleOpsApp(ScriptedLink(events))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _settle(pilot)
+        table = app.query_one(DatasetsTable)
+        await pilot.press("down", "down")  # B2
+        await pilot.press("s")  # by progress: the furthest first
+        await _settle(pilot)
+        assert table.sort == "progress" and table.names[0] == "B8" and table.selected == "B2"
+        log = app.query_one("#log")
+        await pilot.press("l")  # warnings and worse
+        assert "math started" not in _log_lines(app) and any("B2 is slow" in line for line in _log_lines(app))
+        await pilot.press("l", "l", "f")  # all levels again, then only B2's lines
+        assert log.dataset == "B2" and not any("math started" in line for line in _log_lines(app))
+        await pilot.press("f", "slash")
+        await pilot.pause()
+        await pilot.press(*"started", "enter")
+        await pilot.pause()
+        assert [line for line in _log_lines(app) if line.strip()] == [next(line for line in _log_lines(app) if "math started" in line)]
+        assert "/started/" in log.border_title
+
+
+async def test_enter_shows_a_datasets_detail_from_the_engine(tmp_path, fault_server):
+    rows = [{"id": f"d{i}", "prompt": f"x {i} [[tokens:5]]"} for i in range(20)] + [{"id": "bad", "prompt": "x [[fault:400]]"}, "{torn"]
+    source = write_jsonl(tmp_path / "a.jsonl", rows)
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}])
+    engine = Engine(config, progress_interval_s=0.1)
+    await engine.open()
+    server = await engine.serve_socket()
+    app = EagleOpsApp(LocalLink(engine), refresh_s=0.1)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _until(pilot, lambda: "A" in app.state.datasets and app.state.datasets["A"].state.terminal)
+        await pilot.press("enter")
+        await _until(pilot, lambda: isinstance(app.screen, DetailScreen))
+        text = str(app.screen.query_one(Static).render())
+        assert "A: done" in text and "20 samples" in text and "HTTP 400" in text and "bad line: <json>" in text
+        assert "latency p50" in text and fault_server.base_url in text
+        await pilot.press("escape")
+    assert server is not None
+    remote = await ControlClient(server.path).detail("A")  # the same over the socket, for an attached console
+    assert remote["failures"] == {"HTTP 400": 1, "bad line: <json>": 1} and remote["samples"] == 20
+    await server.close()

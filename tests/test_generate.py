@@ -319,3 +319,43 @@ async def test_two_engines_cannot_share_an_output_dir(tmp_path, fault_server):
     with pytest.raises(EngineError, match="another eagleops run"):
         await Engine(config).open()
     await first.run()
+
+
+async def test_headless_lines_are_timestamped_short_and_only_what_changed(tmp_path, fault_server):
+    import io
+    import re
+
+    fast = write_jsonl(tmp_path / "fast.jsonl", prompts(3, "[[tokens:5]]", prefix="hlf"))
+    slow = write_jsonl(tmp_path / "slow.jsonl", prompts(40, "[[tokens:5]] [[delay:0.05]]", prefix="hls"))
+    datasets = [
+        {"name": "fast-one-with-a-rather-long-name", "path": str(fast), "token_budget": "1M"},
+        {"name": "slow", "path": str(slow), "token_budget": "1M"},
+    ]
+    config = make_config(tmp_path, fault_server.base_url, datasets, concurrency=2, status_interval_s=0.1)
+    out = io.StringIO()
+    assert await run_headless(config, out=out, serve_socket=False) == 0
+    lines = out.getvalue().splitlines()
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)
+    body = lines[: lines.index("summary:")]
+    assert all(re.match(r"\d\d:\d\d:\d\d ", line) or line.startswith(" " * 17) for line in body)
+    fast_lines = [line for line in body if "fast-one-with~" in line]
+    assert len(fast_lines) == len({line.split(" ", 1)[1] for line in fast_lines})  # never the same line twice
+    assert sum("done" in line for line in fast_lines) == 1  # a finished dataset is not reprinted
+    summary = lines[lines.index("summary:") + 1 :]
+    assert len(summary) == 3 and summary[-1].lstrip().startswith("total") and "43 smp" in summary[-1]
+
+
+async def test_retries_are_counted_per_dataset_not_logged_one_by_one(tmp_path, fault_server):
+    source = write_jsonl(tmp_path / "a.jsonl", prompts(30, "[[fault:500x2]] [[tokens:3]]", prefix="digest"))
+    config = make_config(
+        tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}], retry_log_interval_s=0.2
+    )
+    engine = Engine(config)
+    sub = engine.subscribe()
+    assert (await engine.run()).ok
+    warnings = [e.message for e in [e async for e in sub] if isinstance(e, LogEvent) and e.level == "warning"]
+    digests = [m for m in warnings if "retries in 0.2s" in m or "retry in 0.2s" in m]
+    assert digests and len(digests) < 20  # 60 retries, a few lines
+    assert all(m.startswith("A: ") and "HTTP 500 from http://127.0.0.1" in m and "e.g. digest" in m for m in digests)
+    counted = sum(int(m.split(" ", 2)[1]) for m in digests)
+    assert counted == 60

@@ -117,6 +117,9 @@ def test_cli_steers_a_headless_run(tmp_path, fault_server):
         bad = _cli("budget", "B3", "lots")
         assert bad.returncode == 2 and "not a token count" in bad.stderr
         assert "paused B3" in _cli("pause", "B3").stdout
+        detail = _cli("detail", "B3")
+        assert detail.returncode == 0 and "B3: " in detail.stdout and "latency p50" in detail.stdout
+        assert _cli("detail", "nope").returncode == 1
         assert json.loads(_cli("status", "--json").stdout.splitlines()[0])["type"] == "stage"
         assert "killing the run" in _cli("kill").stdout
         out, _ = proc.communicate(timeout=30)

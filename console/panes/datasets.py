@@ -36,6 +36,14 @@ COLUMNS = (  # key, header, the most a cell may need (a longer dataset name is c
 # which columns a narrow terminal keeps, first to last (80 columns keep the first seven)
 PRIORITY = ("dataset", "state", "tokens", "percent", "tok_s", "eta", "samples", "failures", "in_flight", "req_s", "bar", "avg", "reasoning")
 _GAP = 2
+_STATE_ORDER = {"running": 0, "paused": 1, "queued": 2, "failed": 3, "killed": 4, "done": 5}
+SORTS = ("source order", "progress", "tok/s", "failures", "state")
+_SORT_KEYS = {
+    "progress": lambda p: -p.fraction,
+    "tok/s": lambda p: -p.tok_per_s,
+    "failures": lambda p: -(p.failures + p.bad_lines),
+    "state": lambda p: _STATE_ORDER.get(p.state.value, 9),
+}
 
 _RIGHT = {"tokens", "percent", "samples", "avg", "req_s", "tok_s", "reasoning", "eta", "in_flight", "failures"}
 _CURSOR = Style(reverse=True, bold=True)
@@ -85,6 +93,9 @@ class DatasetsTable(Widget, can_focus=True):
         self._widths = {key: len(label) for key, label, _ in COLUMNS}
         self._strips: dict[tuple, Strip] = {}
         self._top = 0  # the first dataset row shown
+        self._progress: dict[str, DatasetProgress] = {}
+        self._order: list[str] = []  # names as shown: source order, or sorted
+        self.sort = SORTS[0]
 
     @property
     def row_count(self) -> int:
@@ -92,7 +103,23 @@ class DatasetsTable(Widget, can_focus=True):
 
     @property
     def names(self) -> list[str]:
-        return list(self._cells)
+        return self._order
+
+    def next_sort(self) -> str:
+        """Sort by the next key; the cursor stays on the dataset it was on."""
+        self.sort = SORTS[(SORTS.index(self.sort) + 1) % len(SORTS)]
+        self._reorder()
+        return self.sort
+
+    def _reorder(self) -> None:
+        selected = self.selected
+        names = list(self._cells)
+        if self.sort != "source order":
+            names.sort(key=lambda n: _SORT_KEYS[self.sort](self._progress[n]))
+        self._order = names
+        if selected is not None and selected in names:
+            self.cursor = names.index(selected)
+        self.refresh()
 
     @property
     def selected(self) -> str | None:
@@ -132,6 +159,7 @@ class DatasetsTable(Widget, can_focus=True):
     def show(self, datasets: dict[str, DatasetProgress]) -> None:
         changed = False
         for name, progress in datasets.items():
+            self._progress[name] = progress
             cells = dataset_cells(progress)
             if self._cells.get(name) != cells:
                 self._cells[name] = cells
@@ -141,7 +169,7 @@ class DatasetsTable(Widget, can_focus=True):
             for cells in (*self._cells.values(), self._totals):
                 for key, _, most in COLUMNS:
                     self._widths[key] = max(self._widths[key], min(most, len(cells.get(key, ""))))
-            self.refresh()
+            self._reorder()
 
     # ---- painting -------------------------------------------------------------------------
     def _columns(self) -> list[tuple[str, str, int]]:

@@ -8,6 +8,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from pipeline.config import ALL_STAGES, format_tokens
+from pipeline.engine.detail import dataset_detail
 from pipeline.protocol.events import Ack, Command, DatasetState, Kill, Pause, Resume, SetBudget, StageStatus
 
 if TYPE_CHECKING:
@@ -89,6 +90,13 @@ class EngineCommands:
             return list(self.runners.values())
         runner = self.runners.get(name)
         return [runner] if runner else None
+
+    async def detail(self: Engine, name: str) -> dict:
+        """One dataset in detail (failures by reason from its failed.jsonl, latency, endpoints)."""
+        runner = self.runners.get(name)
+        if runner is None:
+            return {"ok": False, "message": f"no dataset named {name!r} (have: {', '.join(self.runners)})"}
+        return {"ok": True, "detail": await asyncio.to_thread(dataset_detail, runner)}
 
     async def _set_budget(self: Engine, runner: DatasetRunner, tokens: int) -> Ack:
         old = runner.budget

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import DatasetConfig, format_tokens
@@ -44,6 +45,8 @@ class DatasetRunner:
         self._storage_failures = 0
         self._storage_retry_at = 0.0
         self._stopping = False  # killed: the final save stops waiting for a full disk
+        self.latencies: deque[float] = deque(maxlen=2000)  # this session's, for the detail view
+        self.endpoint_counts: Counter[str] = Counter()
 
     # ---- budget arithmetic ------------------------------------------------------------------
     def _estimate(self) -> float:
@@ -183,6 +186,8 @@ class DatasetRunner:
             self._request_failed(prompt, f"{type(exc).__name__}: {exc}", None)
         else:
             self.meter.add(completion.completion_tokens)
+            self.latencies.append(completion.latency_s)
+            self.endpoint_counts[completion.endpoint] += 1
             if self.engine.config.cancel_in_flight_over_budget and self.store.accepted.tokens >= self.budget:
                 self.cancel_requests()
         finally:

@@ -2,7 +2,8 @@
 
 Requests: ``{"cmd": "pause"|"resume"|"kill"|"budget", "dataset": ..., "tokens": ...}`` -> an
 Ack; ``{"cmd": "status"}`` -> ``{"ok": true, "events": [...]}`` (the current snapshot);
-``{"cmd": "subscribe"}`` -> the snapshot, then every event as it happens, until either side
+``{"cmd": "detail", "dataset": ...}`` -> ``{"ok": true, "detail": {...}}`` (failures by reason,
+latency, endpoints); ``{"cmd": "subscribe"}`` -> the snapshot, then every event as it happens, until either side
 closes. A TUI attaches with ``subscribe`` on one connection and sends commands on another.
 """
 
@@ -127,6 +128,8 @@ class Controllable(Protocol):
 
     async def execute(self, command: Command) -> Ack: ...
 
+    async def detail(self, name: str) -> dict[str, Any]: ...
+
 
 class ControlServer:
     def __init__(self, engine: Controllable, path: Path):
@@ -180,6 +183,9 @@ class ControlServer:
                     return
                 if name == "status":
                     await _send(writer, {"ok": True, "events": [e.to_json() for e in self.engine.snapshot()]})
+                    continue
+                if name == "detail":
+                    await _send(writer, await self.engine.detail(str(request.get("dataset"))))
                     continue
                 try:
                     command = command_from_json(request)
@@ -258,6 +264,12 @@ class ControlClient:
     async def send(self, command: Command) -> Ack:
         answer = await self.request(command.to_json())
         return Ack(bool(answer.get("ok")), str(answer.get("message", "")))
+
+    async def detail(self, name: str) -> dict[str, Any]:
+        answer = await self.request({"cmd": "detail", "dataset": name})
+        if not answer.get("ok"):
+            raise ControlError(str(answer.get("message", "no detail")))
+        return dict(answer["detail"])
 
     async def status(self) -> list[Event]:
         answer = await self.request({"cmd": "status"})

@@ -11,6 +11,7 @@ from pipeline.protocol.events import DatasetProgress, EndpointStats, Event, LogE
 __all__ = [
     "STATUS_WIDTH",
     "dataset_cells",
+    "detail_text",
     "format_bytes",
     "format_duration",
     "format_event",
@@ -117,14 +118,21 @@ def _fit(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "~"
 
 
+def _count(n: int) -> str:
+    return f"{n:,}" if n < 100_000 else format_tokens(n)
+
+
 def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
     """One dataset in at most ``width`` columns: the numbers first, extras while they fit."""
     c = dataset_cells(p)
-    parts = [f"{_fit(c['dataset'], 14):<14} {c['state']:<11} {c['tokens']:>13} {c['percent']:>6}", f"{c['samples']} smp"]
+    line = f"{_fit(c['dataset'], 14):<14} {c['state']:<11} {c['tokens']:>11} {c['percent']:>6}  {_count(p.samples)} smp"
     if not p.state.terminal:
-        parts += [f"{c['tok_s']} tok/s", f"ETA {c['eta']}", f"fly {c['in_flight']}"]
-    parts.append(f"failed {c['failures']}")
+        line += f"  {c['tok_s']} tok/s  ETA {c['eta']}"
     extras = []
+    if p.failures or p.bad_lines:
+        extras.append(f"failed {c['failures']}")
+    if not p.state.terminal:
+        extras.append(f"fly {c['in_flight']}")
     if p.reasoning_tokens:
         extras.append(f"thinking {c['reasoning']}")
     if p.truncated:
@@ -133,7 +141,6 @@ def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
         extras.append(f"spend {c['cost']}/{c['projected_cost']}")  # so far / at the whole budget
     if p.reason and (p.state.terminal or p.state.value == "paused"):
         extras.append(f"[{p.reason}]")
-    line = "  ".join(parts)
     for extra in extras:
         if len(line) + 2 + len(extra) <= width:
             line += "  " + extra
@@ -182,6 +189,35 @@ def totals_line(progress: list[DatasetProgress], width: int = STATUS_WIDTH) -> s
     if cost:
         line += f"  spend ${cost:.2f}/${cost / tokens * budget:.2f}" if tokens else f"  spend ${cost:.2f}"
     return _fit(line, width)
+
+
+def detail_text(d: dict) -> str:
+    """A dataset's detail (``Engine.detail``) as lines: the console's detail view and ``eagleops detail``."""
+
+    def secs(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}s"
+
+    lines = [
+        f"{d['name']}: {d['state']}" + (f" ({d['reason']})" if d.get("reason") else ""),
+        f"tokens {format_tokens(d['tokens'])} of {format_tokens(d['budget'])}, {d['samples']:,} samples, "
+        f"{d['truncated']:,} cut at max_tokens, {format_tokens(d['reasoning_tokens'])} thinking",
+        f"latency p50 {secs(d['latency_p50_s'])}  p95 {secs(d['latency_p95_s'])}  (last {d['latency_samples']:,} replies)",
+    ]
+    if d.get("cost"):
+        lines.append(f"spend ${d['cost']:.2f}")
+    if d.get("storage_error"):
+        lines.append(f"cannot save: {d['storage_error']}")
+    if d["endpoints"]:
+        lines.append("served by: " + ", ".join(f"{url} {n:,}" for url, n in d["endpoints"].items()))
+    failures = d["failures"]
+    lines.append(
+        f"failures ({sum(failures.values()):,}" + (", from the last 64 MiB of failed.jsonl" if d.get("failures_partial") else "") + "):"
+        if failures
+        else "failures: none"
+    )
+    lines += [f"  {n:>7,}  {kind}" for kind, n in list(failures.items())[:8]]
+    lines += [f"source {d['source']}", f"output {d['output']}"]
+    return "\n".join(lines)
 
 
 def _clock(at: float) -> str:
