@@ -1,6 +1,6 @@
 """Retries are counted, not logged one by one: at a 2% fault rate one line per retry was most of
-the log and pushed everything else out of view. Every interval, one line per dataset says how
-many retries there were, of which kinds, on which endpoints, and names a few prompts."""
+the log and pushed everything else out of view. Every interval, one line says how many retries
+there were, in which datasets, of which kinds, on which endpoints, and names a few prompts."""
 
 from __future__ import annotations
 
@@ -29,25 +29,35 @@ def reason_kind(reason: str) -> str:
 class RetryDigest:
     def __init__(self, log: Callable[[str, str, str | None], None], interval_s: float = 5.0):
         self.log, self.interval_s = log, interval_s
-        self._kinds: dict[str | None, Counter[str]] = {}
-        self._examples: dict[str | None, list[str]] = {}
+        self._kinds: Counter[tuple[str, str]] = Counter()  # (kind, endpoint)
+        self._datasets: Counter[str] = Counter()
+        self._examples: list[str] = []
 
     def note(self, endpoint: str, reason: str) -> None:
         dataset, prompt_id = CURRENT_REQUEST.get() or (None, None)
-        self._kinds.setdefault(dataset, Counter())[f"{reason_kind(reason)} from {endpoint}"] += 1
-        examples = self._examples.setdefault(dataset, [])
-        if prompt_id is not None and len(examples) < _EXAMPLES and prompt_id not in examples:
-            examples.append(prompt_id)
+        self._kinds[(reason_kind(reason), endpoint)] += 1
+        if dataset is not None:
+            self._datasets[dataset] += 1
+        if prompt_id is not None and len(self._examples) < _EXAMPLES and prompt_id not in self._examples:
+            self._examples.append(prompt_id)
 
     def flush(self) -> None:
-        for dataset, kinds in self._kinds.items():
-            total = sum(kinds.values())
-            what = ", ".join(f"{kind} x{n}" for kind, n in kinds.most_common())
-            examples = self._examples.get(dataset) or []
-            prompts = f"; e.g. {', '.join(examples)}" if examples else ""
-            where = f"{dataset}: " if dataset else ""
-            self.log("warning", f"{where}{total} {'retry' if total == 1 else 'retries'} in {self.interval_s:g}s: {what}{prompts}", dataset)
+        """One line for the interval, whatever the number of datasets: acknowledgements stay in view."""
+        total = sum(self._kinds.values())
+        if not total:
+            return
+        endpoints = {endpoint for _, endpoint in self._kinds}
+        if len(endpoints) == 1:
+            what = ", ".join(f"{kind} x{n}" for (kind, _), n in self._kinds.most_common()) + f" from {endpoints.pop()}"
+        else:
+            what = ", ".join(f"{kind} from {endpoint} x{n}" for (kind, endpoint), n in self._kinds.most_common())
+        datasets = ", ".join(f"{name} {n}" for name, n in self._datasets.most_common())
+        only = next(iter(self._datasets)) if len(self._datasets) == 1 else None
+        examples = f"; e.g. {', '.join(self._examples)}" if self._examples else ""
+        noun = "retry" if total == 1 else "retries"
+        self.log("warning", f"{total} {noun} in {self.interval_s:g}s ({datasets}): {what}{examples}", only)
         self._kinds.clear()
+        self._datasets.clear()
         self._examples.clear()
 
     async def run(self) -> None:
