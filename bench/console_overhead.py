@@ -155,7 +155,9 @@ def main() -> None:
             tui, console_only, rate, latencies = measure_tui(work, base_url, args.seconds, args.presses)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"## Console overhead ({args.seconds:.0f} s each, 8 datasets at ~10 completions/s each, 2% faults, synthetic GPU, 1 s refresh, 120x40)\n")
+    print(
+        f"## Console overhead ({args.seconds:.0f} s each, 8 datasets at ~10 completions/s each, 2% faults, synthetic GPU, 1 s refresh, 120x40)\n"
+    )
     print("| run | CPU (share of one core) |")
     print("|---|---|")
     print(f"| `eagleops run --no-tui` (baseline) | {100 * headless:.1f}% |")

@@ -70,6 +70,8 @@ HELP = f"""\
 
 {help_markup(width=66)}
 
+[b]Mouse[/b]: a click selects a dataset; the wheel scrolls the log.
+[b]Ctrl+P[/b]: the command palette, every action above by name.
 The log acknowledges every command, or says why it failed.
 """
 

@@ -358,3 +358,36 @@ async def test_retries_are_counted_per_dataset_not_logged_one_by_one(tmp_path, f
     assert digests and len(digests) < 20  # 60 retries, a few lines
     assert all("HTTP 500 x" in m and "from http://127.0.0.1" in m and "e.g. digest" in m for m in digests)
     assert sum(int(m.split(" ", 1)[0]) for m in digests) == 60
+
+
+async def test_eta_counts_the_end_of_the_source_not_only_the_budget(tmp_path, fault_server):
+    source = write_jsonl(tmp_path / "a.jsonl", prompts(200, "[[tokens:5]] [[delay:0.02]]", prefix="eta"))
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1G"}], concurrency=4)
+    engine = Engine(config)
+    task = asyncio.create_task(engine.run())
+    await wait_for(lambda: "A" in engine.runners and engine.runners["A"].store.accepted.samples >= 60)
+    eta = engine.runners["A"].progress().eta_s
+    await task
+    assert eta is not None and eta < 60  # ~140 rows left at ~100/s, not 1G tokens at 500 tok/s (days)
+
+
+async def test_an_attaching_console_gets_recent_history(tmp_path, fault_server):
+    source = write_jsonl(tmp_path / "a.jsonl", prompts(200, "[[tokens:5]] [[delay:0.05]]", prefix="hist"))
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}], concurrency=2)
+    engine = Engine(config)
+    await engine.open()
+    server = await engine.serve_socket()
+    task = asyncio.create_task(engine.run())
+    engine.log("warning", "something happened before anyone attached", "A")
+    await asyncio.sleep(0.2)
+    assert server is not None
+    client = ControlClient(server.path)
+    seen = []
+    async for event in client.events():
+        seen.append(event)
+        if len(seen) >= 30 or (isinstance(event, LogEvent) and "before anyone" in event.message):
+            break  # the snapshot comes first, the log's tail in it
+    engine.kill()
+    await task
+    await server.close()
+    assert any(isinstance(e, LogEvent) and "before anyone attached" in e.message for e in seen)

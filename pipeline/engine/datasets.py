@@ -45,6 +45,8 @@ class DatasetRunner:
         self._storage_failures = 0
         self._storage_retry_at = 0.0
         self._stopping = False  # killed: the final save stops waiting for a full disk
+        self.source_meter = RateMeter(clock=engine.clock)  # source bytes finished per second
+        self._source_size = 0
         self.latencies: deque[float] = deque(maxlen=2000)  # this session's, for the detail view
         self.endpoint_counts: Counter[str] = Counter()
 
@@ -81,6 +83,8 @@ class DatasetRunner:
     # ---- the run ------------------------------------------------------------------------------
     async def run(self) -> None:
         self._stopping = False
+        with contextlib.suppress(OSError):
+            self._source_size = (await asyncio.to_thread(self.config.path.stat)).st_size
         self.store.rewind_to_watermark()
         self._exhausted = False
         if self.at_limit():
@@ -191,6 +195,7 @@ class DatasetRunner:
             if self.engine.config.cancel_in_flight_over_budget and self.store.accepted.tokens >= self.budget:
                 self.cancel_requests()
         finally:
+            self.source_meter.add(prompt.end - prompt.offset)
             self.in_flight -= 1
             self.engine.slots.release()
             self.wake()
@@ -308,6 +313,9 @@ class DatasetRunner:
         req_s, tok_s = self.meter.rates() if not self.state.terminal else (0.0, 0.0)  # a stopped dataset makes nothing
         remaining = self.budget - totals.tokens
         eta = remaining / tok_s if (tok_s > 0 and remaining > 0 and self.state == DatasetState.RUNNING) else None
+        _, bytes_s = self.source_meter.rates()
+        if eta is not None and bytes_s > 0 and self._source_size:  # the source may run out before the budget does
+            eta = min(eta, max(0, self._source_size - self.store.done_offset()) / bytes_s)
         return DatasetProgress(
             name=self.config.name,
             state=self.state,

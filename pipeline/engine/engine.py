@@ -123,8 +123,8 @@ class Engine(EngineCommands):
         self.log("info", f"control socket: {server.path} (eagleops attach / status)")
         return server
 
-    def endpoint_stats(self) -> list[EndpointStats]:
-        return self.pool.stats()
+    def endpoint_stats(self, *, ended: bool = False) -> list[EndpointStats]:
+        return self.pool.stats(ended=ended)
 
     def _pool(self, endpoints: tuple[EndpointConfig, ...]) -> EndpointPool:
         retry = self.config.retry
@@ -264,7 +264,7 @@ class Engine(EngineCommands):
             finally:
                 telemetry.cancel()
                 await asyncio.gather(telemetry, return_exceptions=True)
-        for event in self.endpoint_stats():
+        for event in self.endpoint_stats(ended=True):
             self.publish(event)
         self.bus.close()
         if self._lock_file is not None:

@@ -168,12 +168,13 @@ class EndpointPool:
             "warning", f"{endpoint.config.label}: benched {bench:.1f}s after {endpoint.failures_in_a_row} failures ({reason}); {others}"
         )
 
-    def stats(self) -> list[EndpointStats]:
+    def stats(self, *, ended: bool = False) -> list[EndpointStats]:
+        """Each endpoint's numbers; ``ended``: the run is over, so nothing is flowing any more."""
         now = self.clock()
         events = []
         for ep in self.endpoints:
             lat = sorted(ep.latencies)
-            req_s, tok_s = ep.meter.rates()
+            req_s, tok_s = ep.meter.rates() if not ended else (0.0, 0.0)
             events.append(
                 EndpointStats(
                     url=ep.config.label,

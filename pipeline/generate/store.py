@@ -242,6 +242,10 @@ class DatasetStore:
     def unsaved(self) -> bool:
         return bool(self._batch) or self._manifest_stale
 
+    def done_offset(self) -> int:
+        """Every source byte before this one is done or in flight's past: how far the dataset has come."""
+        return self._watermark()[0]
+
     def rewind_to_watermark(self) -> None:
         """Forget in-flight work (cancelled): the next reader starts at the oldest of it."""
         self._read_pos = self._watermark()
