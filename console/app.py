@@ -23,7 +23,7 @@ from pipeline.engine.headless import exit_code
 from pipeline.errors import UsageError
 from pipeline.protocol.control import ControlError
 from pipeline.protocol.events import Command, Kill, LogEvent, Pause, Resume, SetBudget, StageState
-from pipeline.protocol.report import detail_text, format_event
+from pipeline.protocol.report import detail_text, format_event, status_line, totals_line
 
 from .keymap import APP_KEYS, bindings
 from .link import EngineLink, LocalLink, SocketLink
@@ -311,6 +311,7 @@ async def run_console(config: RunConfig, *, theme: str = "dark", refresh_s: floa
         await link.stop()  # also when the terminal went away: kill cleanly, keep the work
         if server is not None:
             await server.close()
+    print_summary(app)
     summary = link.summary
     if code is None:
         return exit_code(summary) if summary is not None else 0
@@ -320,4 +321,14 @@ async def run_console(config: RunConfig, *, theme: str = "dark", refresh_s: floa
 async def attach_console(path: Path, *, theme: str = "dark", refresh_s: float = 1.0) -> int:
     app = EagleOpsApp(SocketLink(path), theme=theme, refresh_s=refresh_s)
     code = await app.run_async()
+    print_summary(app)
     return code or 0
+
+
+def print_summary(app: EagleOpsApp) -> None:
+    """What the console last showed, left in the terminal after it closes (as --no-tui ends)."""
+    datasets = list(app.state.datasets.values())
+    if not datasets:
+        return
+    with contextlib.suppress(OSError):  # the terminal may be gone (a hangup)
+        print("\n".join(["summary:", *(f"  {status_line(p)}" for p in datasets), f"  {totals_line(datasets)}"]), flush=True)

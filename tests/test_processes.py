@@ -222,3 +222,33 @@ def test_kill_9_in_the_middle_of_conversations_leaves_no_half_record(tmp_path, t
     for record in records:  # whole conversations only, the target's replies throughout
         assert [t["role"] for t in record["conversations"]] == ["user", "assistant"] * 3
         assert all(t["content"] != "old" for t in record["conversations"])
+
+
+def test_sigterm_is_a_clean_kill_and_a_hangup_leaves_the_run_going(tmp_path, fault_server):
+    source = write_jsonl(tmp_path / "a.jsonl", [{"id": f"s{i}", "prompt": f"x {i} [[tokens:5]] [[delay:0.05]]"} for i in range(2000)])
+    run = _write_run(tmp_path, fault_server.base_url, [("S", source, "1G")], concurrency=4)
+    for first, then in ((signal.SIGHUP, signal.SIGTERM), (signal.SIGTERM, None)):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while _cli("status").returncode != 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            proc.send_signal(first)
+            time.sleep(1.0)
+            if then is not None:
+                assert proc.poll() is None and _cli("status").returncode == 0  # a hangup: still running, still steerable
+                proc.send_signal(then)
+            assert proc.wait(timeout=30) == 130
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    records = read_jsonl(tmp_path / "out" / "S" / "data.jsonl")
+    manifest = json.loads((tmp_path / "out" / "S" / "manifest.json").read_text())
+    assert records and manifest["totals"]["samples"] == len(records)  # killed cleanly: all saved
