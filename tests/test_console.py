@@ -723,9 +723,11 @@ async def test_enter_shows_a_datasets_detail_from_the_engine(tmp_path, fault_ser
     server = await engine.serve_socket()
     app = EagleOpsApp(LocalLink(engine), refresh_s=0.1)
     async with app.run_test(size=(80, 24)) as pilot:
-        await _until(pilot, lambda: "A" in app.state.datasets and app.state.datasets["A"].state.terminal)
+        await _until(pilot, lambda: "A" in app.state.datasets and app.state.datasets["A"].state.terminal, tries=1200)
+        assert app.state.datasets["A"].state.terminal
         await pilot.press("enter")
-        await _until(pilot, lambda: isinstance(app.screen, DetailScreen))
+        await _until(pilot, lambda: isinstance(app.screen, DetailScreen), tries=1200)
+        assert isinstance(app.screen, DetailScreen)
         text = str(app.screen.query_one(Static).render())
         assert "A: done" in text and "20 samples" in text and "HTTP 400" in text and "bad line: <json>" in text
         assert "latency p50" in text and fault_server.base_url in text

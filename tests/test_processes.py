@@ -43,6 +43,12 @@ def _write_run(tmp_path: Path, base_url: str, datasets: list[tuple[str, Path, st
     return run
 
 
+def _headless(run: Path) -> subprocess.Popen:
+    """``eagleops run --no-tui`` in the background, its output readable by the test."""
+    command = [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"]
+    return subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def _kill_9_repeatedly(run: Path, rng: random.Random, *, times: int, window: tuple[float, float]) -> int:
     """Start the run headless and kill -9 it a random moment later, again and again; the kills made."""
     kills = 0
@@ -96,13 +102,7 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, tmp_pat
 def test_cli_steers_a_headless_run(tmp_path, fault_server):
     source = write_jsonl(tmp_path / "a.jsonl", [{"id": f"p{i}", "prompt": f"x {i} [[tokens:10]] [[delay:0.05]]"} for i in range(400)])
     run = _write_run(tmp_path, fault_server.base_url, [("B3", source, "1M")], concurrency=2)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"],
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _headless(run)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -228,13 +228,7 @@ def test_sigterm_is_a_clean_kill_and_a_hangup_leaves_the_run_going(tmp_path, fau
     source = write_jsonl(tmp_path / "a.jsonl", [{"id": f"s{i}", "prompt": f"x {i} [[tokens:5]] [[delay:0.05]]"} for i in range(2000)])
     run = _write_run(tmp_path, fault_server.base_url, [("S", source, "1G")], concurrency=4)
     for first, then in ((signal.SIGHUP, signal.SIGTERM), (signal.SIGTERM, None)):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"],
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        proc = _headless(run)
         try:
             deadline = time.monotonic() + 30
             while _cli("status").returncode != 0:

@@ -179,6 +179,9 @@ class TrainConfig:
     checkpoint_every: int = setting(200, "steps between checkpoints", check=at_least(1))
     max_steps: int = setting(0, "stop after this many steps (0: no cap)", check=at_least(0))
     log_every: int = setting(10, "steps between metrics events", check=at_least(1))
+    head_chunk: int = setting(
+        32768, "target-head vocabulary rows per chunk when finding the target's top token (0: all at once)", check=at_least(0)
+    )
 
 
 @dataclass(frozen=True)

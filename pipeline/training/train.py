@@ -35,26 +35,46 @@ from pipeline.training.drafter import DraftCache, Eagle3Drafter, build_drafter
 from pipeline.training.features import FeatureShards
 from pipeline.training.target import head_and_embeddings, pick_device, require_target
 
-__all__ = ["Eagle3Objective", "train"]
+__all__ = ["Eagle3Objective", "target_top_and_draft_probs", "train"]
+
+
+def target_top_and_draft_probs(
+    final: torch.Tensor, head: torch.Tensor, draft_head: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the target's top-1 token id over its whole vocabulary, its distribution over the draft
+    vocabulary). The draft probabilities come from the draft rows of the head alone; the top-1
+    is found ``chunk`` vocabulary rows at a time, so a 160k vocabulary never holds [B, T, V]
+    logits at once. Ties go to the lowest id, as argmax over the whole vocabulary does."""
+    probs = torch.softmax((final @ draft_head.to(final.dtype).T).float(), dim=-1)
+    vocab = head.shape[0]
+    step = vocab if chunk <= 0 else chunk
+    best_value: torch.Tensor | None = None
+    best_index = torch.zeros(final.shape[:-1], dtype=torch.long, device=final.device)
+    for start in range(0, vocab, step):
+        value, index = (final @ head[start : start + step].to(final.dtype).T).max(-1)
+        if best_value is None:
+            best_value, best_index = value, index + start
+            continue
+        better = value > best_value  # strictly: an equal value in a later chunk loses, as in argmax
+        best_value = torch.where(better, value, best_value)
+        best_index = torch.where(better, index + start, best_index)
+    return best_index, probs
 
 
 class Eagle3Objective(nn.Module):
     """Drafter + frozen target head -> TTT loss; the unit DDP wraps (its forward syncs grads)."""
 
-    def __init__(self, drafter: Eagle3Drafter, target_head: torch.Tensor, *, ttt_length: int, step_weight: float):
+    def __init__(self, drafter: Eagle3Drafter, target_head: torch.Tensor, *, ttt_length: int, step_weight: float, head_chunk: int = 32768):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_head", target_head, persistent=False)
-        self.ttt_length, self.step_weight = ttt_length, step_weight
+        self.register_buffer("draft_head", target_head[drafter.draft_ids], persistent=False)
+        self.ttt_length, self.step_weight, self.head_chunk = ttt_length, step_weight, head_chunk
 
     @torch.no_grad()
     def _targets(self, final: torch.Tensor, loss_mask: torch.Tensor, valid_len: torch.Tensor):
         """Target distribution over the draft vocab per position, and where it may be learned."""
-        head = self.target_head.to(final.dtype)
-        draft_ids = self.drafter.draft_ids
-        logits = final @ head.T  # [B, T, V]
-        top = logits.argmax(-1)
-        probs = torch.softmax(logits[..., draft_ids].float(), dim=-1)
+        top, probs = target_top_and_draft_probs(final, self.target_head, self.draft_head, self.head_chunk)
         b, t = loss_mask.shape
         positions = torch.arange(t, device=final.device)[None, :]
         next_is_assistant = torch.zeros_like(loss_mask, dtype=torch.bool)
@@ -146,7 +166,13 @@ class _Trainer:
         self.aux_layers = tuple(self.features.aux_layers)
         self.drafter = build_drafter(config, self.aux_layers, seed=self.tc.seed).to(device)
         head, _ = head_and_embeddings(target.model)
-        objective = Eagle3Objective(self.drafter, head.float().to(device), ttt_length=self.tc.ttt_length, step_weight=self.tc.step_weight)
+        objective = Eagle3Objective(
+            self.drafter,
+            head.float().to(device),
+            ttt_length=self.tc.ttt_length,
+            step_weight=self.tc.step_weight,
+            head_chunk=self.tc.head_chunk,
+        )
         self.model: nn.Module = objective
         if self.world > 1:
             self.model = nn.parallel.DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)
