@@ -310,3 +310,21 @@ def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
     assert untrained.acceptance_length < 1.3
     assert trained.acceptance_length > untrained.acceptance_length + 0.5, (trained, untrained)
     assert trained.acceptance_rate_per_position[0] > 0.4
+
+
+def test_the_target_head_in_chunks_equals_the_whole_head():
+    from pipeline.training.train import target_top_and_draft_probs
+
+    generator = torch.Generator().manual_seed(0)
+    final = torch.randn(2, 9, 16, generator=generator)
+    head = torch.randn(1000, 16, generator=generator)
+    head[700] = head[3]  # a tie across chunks: argmax over the whole vocabulary takes the lower id
+    final[0, 0] = head[3] * 10  # ... and this position's top is that tie
+    draft_ids = torch.tensor([3, 5, 700, 999])
+    logits = final @ head.T
+    top, probs = logits.argmax(-1), torch.softmax(logits[..., draft_ids], dim=-1)
+    assert top[0, 0] == 3
+    for chunk in (0, 1, 7, 256, 699, 700, 1000, 5000):
+        chunked_top, chunked_probs = target_top_and_draft_probs(final, head, head[draft_ids], chunk)
+        assert torch.equal(chunked_top, top), chunk
+        assert torch.allclose(chunked_probs, probs, atol=1e-6), chunk
