@@ -56,7 +56,13 @@ def main() -> None:
         return
     rows = []
     for chunk in (0, args.chunk):
-        command = [sys.executable, __file__, "--one", str(chunk), *(f"--{k}={getattr(args, k)}" for k in ("vocab", "hidden", "tokens", "draft"))]
+        command = [
+            sys.executable,
+            __file__,
+            "--one",
+            str(chunk),
+            *(f"--{k}={getattr(args, k)}" for k in ("vocab", "hidden", "tokens", "draft")),
+        ]
         rows.append(json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout))
     whole, chunked = rows
     assert whole["top_sum"] == chunked["top_sum"], "the chunked top-1 differs"

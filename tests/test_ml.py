@@ -328,3 +328,33 @@ def test_the_target_head_in_chunks_equals_the_whole_head():
         chunked_top, chunked_probs = target_top_and_draft_probs(final, head, head[draft_ids], chunk)
         assert torch.equal(chunked_top, top), chunk
         assert torch.allclose(chunked_probs, probs, atol=1e-6), chunk
+
+
+@pytest.fixture(scope="module")
+def moe_target(tmp_path_factory) -> Path:
+    """The real users' target's architecture at tiny size: DeepSeek-V3 (MLA, shared + routed experts), sharded."""
+    from pipeline.demo.tinymodel import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-deepseek-v3", architecture="deepseek_v3", layers=4, pretrain_steps=60)
+
+
+@pytest.mark.slow
+def test_a_deepseek_v3_moe_target_goes_through_every_stage(workdir, moe_target):
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.training.target import head_and_embeddings
+
+    assert json.loads((moe_target / "config.json").read_text())["model_type"] == "deepseek_v3"
+    assert len(json.loads((moe_target / "model.safetensors.index.json").read_text())["weight_map"]) > 20  # sharded
+    head, embed = head_and_embeddings(moe_target)  # from the shards, without the model
+    model = AutoModelForCausalLM.from_pretrained(str(moe_target))
+    assert torch.equal(head, model.lm_head.weight) and torch.equal(embed, model.get_input_embeddings().weight)
+    config = _config(workdir, moe_target, train={"epochs": 1, "max_steps": 40})
+    engine = Engine(config, stages=("prepare", "extract", "train", "export", "eval"))
+    summary = asyncio.run(engine.run())
+    assert all(summary.stages[s] == StageStatus.DONE for s in ("prepare", "extract", "train", "export", "eval")), summary.stages
+    exported = json.loads((config.export_dir / "config.json").read_text())
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # of 4 layers: low, middle, high
+    acceptance = engine.stage_results["eval"].acceptance_length
+    print(f"DeepSeek-V3 tiny target: acceptance length {acceptance:.2f} after 40 steps")
+    assert acceptance >= 1.0

@@ -141,8 +141,13 @@ def build_tiny_model(
     branch_scale: float = 1.0,
     pretrain_steps: int = 0,
     think_share: float = 0.3,
+    architecture: str = "llama",
 ) -> Path:
     """Write a tokenizer + random-weight LlamaForCausalLM to ``directory`` (once; cached).
+
+    ``architecture = "deepseek_v3"`` writes the shape of the real users' target instead
+    (Kimi-K2.5 is a DeepSeek-V3): MLA attention, a dense first layer, then mixture-of-experts
+    layers with a shared expert, in sharded safetensors, at tiny sizes.
 
     ``stop_bias`` scales the end-of-turn row of the output head so that sampled answers end at
     varied lengths, as a real model's do (random weights would almost never stop).
@@ -158,11 +163,12 @@ def build_tiny_model(
         "kv_heads": kv_heads, "intermediate_size": intermediate_size, "max_positions": max_positions,
         "seed": seed, "stop_bias": stop_bias, "init_std": init_std, "branch_scale": branch_scale,
         "pretrain_steps": pretrain_steps, "template": TEMPLATE_VERSION, "think_share": think_share,
+        "architecture": architecture,
     }  # fmt: skip
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return directory
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -171,32 +177,60 @@ def build_tiny_model(
     _train_tokenizer(directory, vocab_size, seed)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        initializer_range=init_std,
-    )
-    model = LlamaForCausalLM(config)
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "max_position_embeddings": max_positions,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+        "initializer_range": init_std,
+    }
+    config = _architecture_config(architecture, common, kv_heads)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         if branch_scale != 1.0:
-            for layer in model.model.layers:
-                layer.self_attn.o_proj.weight *= branch_scale
-                layer.mlp.down_proj.weight *= branch_scale
+            for name, weight in model.named_parameters():
+                if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
+                    weight *= branch_scale
         if stop_bias:
             model.lm_head.weight[tokenizer.eos_token_id] *= stop_bias
     if pretrain_steps:
         _pretrain(model, tokenizer, pretrain_steps, seed, think_share)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(str(directory))
+    # the MoE target in several shards, as a real one is: the stages read its head and embeddings alone
+    model.save_pretrained(str(directory), **({"max_shard_size": "400KB"} if architecture != "llama" else {}))
     marker.write_text(json.dumps(spec))
     return directory
+
+
+def _architecture_config(architecture: str, common: dict, kv_heads: int):
+    if architecture == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common, num_key_value_heads=kv_heads)
+    if architecture == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(
+            **common,
+            num_key_value_heads=common["num_attention_heads"],
+            moe_intermediate_size=common["intermediate_size"] // 4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=32,
+        )
+    raise ValueError(f"unknown tiny architecture {architecture!r} (llama or deepseek_v3)")
