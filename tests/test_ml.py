@@ -279,6 +279,11 @@ def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
     assert all(summary.stages[s] == StageStatus.DONE for s in ("prepare", "extract", "train", "export", "eval")), summary.stages
     trained = engine.stage_results["eval"]
     untrained = evaluate(config, StageContext("eval"), untrained=True)
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    board = event_accumulator.EventAccumulator(str(config.train_dir / "tensorboard"))
+    board.Reload()
+    assert {"loss", "lr", "tokens_per_s", "acc/ttt_0", "step_loss/ttt_3", "eval/acceptance_length"} <= set(board.Tags()["scalars"])
+    assert board.Scalars("eval/acceptance_length")[-1].value == pytest.approx(trained.acceptance_length, rel=1e-6)
 
     # the export is what SGLang loads: config + safetensors with its key names, no embeddings
     exported = json.loads((config.export_dir / "config.json").read_text())
@@ -358,3 +363,18 @@ def test_a_deepseek_v3_moe_target_goes_through_every_stage(workdir, moe_target):
     acceptance = engine.stage_results["eval"].acceptance_length
     print(f"DeepSeek-V3 tiny target: acceptance length {acceptance:.2f} after 40 steps")
     assert acceptance >= 1.0
+
+
+def test_tensorboard_reads_our_event_files(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from pipeline.training.tracking import Trackers, crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    trackers = Trackers(tmp_path)
+    for step in range(1, 4):
+        trackers.log(step, {"step": step, "loss": 1.0 / step, "lr": 3e-4, "acc": [0.5, 0.25], "tokens_per_s": 1000.0 * step})
+    trackers.close()
+    reader = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    reader.Reload()
+    assert set(reader.Tags()["scalars"]) == {"loss", "lr", "acc/ttt_0", "acc/ttt_1", "tokens_per_s"}
+    assert [(e.step, round(e.value, 4)) for e in reader.Scalars("loss")] == [(1, 1.0), (2, 0.5), (3, 0.3333)]

@@ -182,6 +182,7 @@ class TrainConfig:
     head_chunk: int = setting(
         32768, "target-head vocabulary rows per chunk when finding the target's top token (0: all at once)", check=at_least(0)
     )
+    wandb_project: str = setting("", "also log to this Weights & Biases project (offline into the output when `WANDB_API_KEY` is unset)")
 
 
 @dataclass(frozen=True)

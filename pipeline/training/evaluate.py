@@ -21,6 +21,7 @@ from pipeline.training.artifacts import EvalResult, FeaturesIndex
 from pipeline.training.context import StageContext
 from pipeline.training.drafter import Eagle3Drafter, build_drafter, load_exported
 from pipeline.training.target import head_and_embeddings, load_target, require_target
+from pipeline.training.tracking import TensorBoardWriter
 
 __all__ = ["evaluate", "speculative_generate"]
 
@@ -122,6 +123,17 @@ def _evaluate_offline(config: RunConfig, ctx: StageContext, prompts: list[list[i
     return _result("untrained" if untrained else str(config.export_dir), len(prompts), steps, k, mismatches)
 
 
+def _report_acceptance(config: RunConfig, result: EvalResult) -> None:
+    """Beside the training curves: acceptance at the step the drafter was trained to."""
+    history = config.train_dir / "history.jsonl"
+    step = sum(1 for _ in open(history)) if history.exists() else 0
+    writer = TensorBoardWriter(config.train_dir / "tensorboard")
+    try:
+        writer.scalars(step, {"eval/acceptance_length": result.acceptance_length})
+    finally:
+        writer.close()
+
+
 def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False, backend: str | None = None) -> EvalResult:
     """Acceptance length on the held-out prompts, by ``backend`` (default: the run file's)."""
     from transformers import AutoTokenizer
@@ -139,6 +151,7 @@ def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False, b
         result = _evaluate_offline(config, ctx, prompts, tokenizer.eos_token_id, untrained=untrained)
     if not untrained:
         (config.output_dir / "eval.json").write_text(json.dumps(result.to_json(), indent=1))
+        _report_acceptance(config, result)
     ctx.metrics(**result.to_json())
     per_position, k = result.acceptance_rate_per_position, result.draft_tokens
     ctx.log(

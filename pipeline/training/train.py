@@ -34,6 +34,7 @@ from pipeline.training.context import StageContext, StageKilled
 from pipeline.training.drafter import DraftCache, Eagle3Drafter, build_drafter
 from pipeline.training.features import FeatureShards
 from pipeline.training.target import head_and_embeddings, pick_device, require_target
+from pipeline.training.tracking import Trackers
 
 __all__ = ["Eagle3Objective", "target_top_and_draft_probs", "train"]
 
@@ -188,6 +189,11 @@ class _Trainer:
         config.train_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_path = config.train_dir / "checkpoint.pt"
         self.step, self.history = 0, []
+        self.trackers = (  # rank 0 reports for all
+            Trackers(config.train_dir, wandb_project=self.tc.wandb_project, run_name=config.name, config=dict(self.tc.__dict__))
+            if self.rank == 0
+            else None
+        )
         self._resume()
 
     def _schedule(self, step: int) -> float:
@@ -250,8 +256,12 @@ class _Trainer:
                 self.ctx.checkpoint()
                 batch = {k: v.to(self.device, non_blocking=True) for k, v in upcoming.result().items()}
                 upcoming = prefetch.submit(self.load_batch, self.step + 1) if self.step + 1 < self.total_steps else None
+                step_started = time.monotonic()
                 record = self.train_step(batch)
+                record["tokens_per_s"] = round(float(batch["lengths"].sum()) * self.world / max(1e-9, time.monotonic() - step_started), 1)
                 self.history.append(record)
+                if self.trackers is not None:
+                    self.trackers.log(self.step, record)
                 if self.step % self.tc.log_every == 0 or self.step == self.total_steps:
                     self.ctx.metrics(**record)
                 self.ctx.progress(self.step, self.total_steps, "steps", loss=record["loss"], acc0=record["acc"][0])
@@ -262,6 +272,8 @@ class _Trainer:
             raise
         finally:
             prefetch.shutdown(wait=True, cancel_futures=True)
+            if self.trackers is not None:
+                self.trackers.close()
         self.save()
         return self._summary(time.monotonic() - started, first_step)
 
