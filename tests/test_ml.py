@@ -378,3 +378,36 @@ def test_tensorboard_reads_our_event_files(tmp_path):
     reader.Reload()
     assert set(reader.Tags()["scalars"]) == {"loss", "lr", "acc/ttt_0", "acc/ttt_1", "tokens_per_s"}
     assert [(e.step, round(e.value, 4)) for e in reader.Scalars("loss")] == [(1, 1.0), (2, 0.5), (3, 0.3333)]
+
+
+def test_fp8_features_take_half_the_bytes_and_read_back_close(workdir, tiny_model, tmp_path_factory):
+    from pipeline.training.features import FeatureShards
+
+    other = tmp_path_factory.mktemp("fp8")
+    shutil.copytree(workdir / "data", other / "data")
+    shutil.copytree(workdir / "out", other / "out")
+    bf16 = _config(workdir, tiny_model)
+    fp8 = _config(other, tiny_model, extract={"storage": "fp8"})
+    for config in (bf16, fp8):
+        _stage(config, "prepare")
+        _stage(config, "extract")
+    wide, narrow = FeatureShards(bf16.features_dir), FeatureShards(fp8.features_dir)
+    assert narrow.index.storage == "fp8" and narrow.index.tokens == wide.index.tokens
+    assert narrow.index.stored_bytes < 0.65 * wide.index.stored_bytes  # 1 byte a value, plus a scale per token and layer
+    for i in (0, len(wide) // 2, len(wide) - 1):
+        exact, approx = wide[i], narrow[i]
+        assert torch.equal(exact["input_ids"], approx["input_ids"]) and approx["aux"].dtype == torch.bfloat16
+        for key in ("aux", "final"):
+            error = (approx[key].float() - exact[key].float()).norm(dim=-1) / exact[key].float().norm(dim=-1)
+            assert error.max() < 0.08, (key, float(error.max()))  # e4m3: 3 mantissa bits
+
+
+def test_the_gpu_check_runs_here_on_a_cpu_at_tiny_size():
+    """bench/gpu_check.py is what a lent GPU runs first: the same code at tiny size, so it cannot rot."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--hidden", "128", "--layers", "4", "--vocab", "4096",
+         "--draft-vocab", "512", "--seq", "128", "--tokens", "256", "--steps", "2", "--ttt", "2"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    assert result.returncode == 0 and "FAILED" not in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "extract: 256 tokens" in result.stdout and "train: 2 steps" in result.stdout and "gpu_check: done" in result.stdout

@@ -161,6 +161,11 @@ class ExtractConfig:
     )
     batch_tokens: int = setting(8192, "padded tokens per forward batch", check=at_least(1))
     shard_samples: int = setting(256, "samples per feature shard", check=at_least(1))
+    storage: str = setting(
+        "bf16",
+        "feature storage: `bf16`, or `fp8` (e4m3 with a scale per token and layer: half the bytes; see bench/RESULTS.md)",
+        check=one_of("bf16", "fp8"),
+    )
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,7 @@ class FeaturesIndex:
     target: str
     shards: dict[str, FeatureShard] = field(default_factory=dict)
     metrics: dict[str, Any] | None = None
+    storage: str = "bf16"  # or "fp8": e4m3 with a scale per token (and per layer)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

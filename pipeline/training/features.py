@@ -14,7 +14,17 @@ from pipeline.training.artifacts import FeatureShard, FeaturesIndex, PreparedInd
 from pipeline.training.drafter import eagle3_aux_layers
 from pipeline.training.target import require_target
 
-__all__ = ["ExtractRates", "FeatureShards", "extract_metrics", "open_features_index", "shard_name", "shards_to_do", "write_feature_shard"]
+__all__ = [
+    "ExtractRates",
+    "FeatureShards",
+    "extract_metrics",
+    "from_fp8",
+    "to_fp8",
+    "open_features_index",
+    "shard_name",
+    "shards_to_do",
+    "write_feature_shard",
+]
 
 
 def shard_name(i: int) -> str:
@@ -39,10 +49,14 @@ def write_feature_shard(
     tensors = {
         "input_ids": torch.cat([ids for ids, _ in chunk]).to(torch.int32),
         "loss_mask": torch.cat([mask for _, mask in chunk]).to(torch.uint8),
-        "aux": aux,
-        "final": final,
         "offsets": torch.tensor(offsets, dtype=torch.int64),
     }
+    if index.storage == "fp8":
+        layers = len(index.aux_layers)
+        tensors["aux"], tensors["aux_scale"] = to_fp8(aux.reshape(aux.shape[0], layers, -1))
+        tensors["final"], tensors["final_scale"] = to_fp8(final.unsqueeze(1))
+    else:
+        tensors["aux"], tensors["final"] = aux, final
     tmp = out / (name + ".tmp")
     # one metadata key: safetensors writes its metadata map in hash order, and a shard must come
     # out byte-identical when a killed extract redoes it
@@ -54,16 +68,37 @@ def write_feature_shard(
     index.write(out)
 
 
+_E4M3_MAX = 448.0
+
+
+def to_fp8(states: Any) -> tuple[Any, Any]:
+    """[T, L, H] hidden states -> (e4m3 codes [T, L*H], float32 scales [T, L]): each token's
+    vector in each layer scaled so its largest element lands on e4m3's largest (448)."""
+    import torch
+
+    scale = states.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / _E4M3_MAX
+    codes = (states.float() / scale).to(torch.float8_e4m3fn)
+    return codes.reshape(states.shape[0], -1).contiguous(), scale.squeeze(-1).contiguous()
+
+
+def from_fp8(codes: Any, scale: Any, dtype: Any) -> Any:
+    """The inverse of ``to_fp8``: [T, L*H] codes and [T, L] scales -> [T, L*H] in ``dtype``."""
+    layers = scale.shape[-1]
+    states = codes.float().reshape(codes.shape[0], layers, -1) * scale.float().unsqueeze(-1)
+    return states.reshape(codes.shape[0], -1).to(dtype)
+
+
 def open_features_index(config: RunConfig, prepared: PreparedIndex, layers: int, hidden_size: int) -> FeaturesIndex:
     """The index to resume from; a fresh one when the prepared data or the layers changed."""
     aux_layers = tuple(config.extract.aux_layers) if config.extract.aux_layers else eagle3_aux_layers(layers)
     if max(aux_layers) >= layers:
         raise ConfigError(f"{config.source}: extract.aux_layers {list(aux_layers)}: the target has only {layers} layers")
     index = FeaturesIndex.read_if_present(config.features_dir)
-    if index is not None and index.prepared == prepared.fingerprint and tuple(index.aux_layers) == aux_layers:
+    storage = config.extract.storage
+    if index is not None and index.prepared == prepared.fingerprint and tuple(index.aux_layers) == aux_layers and index.storage == storage:
         return index
     target = require_target(config)
-    return FeaturesIndex(prepared.fingerprint, list(aux_layers), hidden_size, layers, str(target.model))
+    return FeaturesIndex(prepared.fingerprint, list(aux_layers), hidden_size, layers, str(target.model), storage=storage)
 
 
 @dataclass
@@ -130,7 +165,13 @@ class FeatureShards:
         return offsets[j + 1] - offsets[j]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
         name, j = self.entries[i]
         handle = self._handle(name)
         a, b = self._offsets[name][j], self._offsets[name][j + 1]
-        return {key: handle.get_slice(key)[a:b] for key in ("input_ids", "loss_mask", "aux", "final")}
+        sample = {key: handle.get_slice(key)[a:b] for key in ("input_ids", "loss_mask", "aux", "final")}
+        if self.index.storage == "fp8":  # back to bf16, as a bf16 shard reads
+            for key in ("aux", "final"):
+                sample[key] = from_fp8(sample[key], handle.get_slice(f"{key}_scale")[a:b], torch.bfloat16)
+        return sample
