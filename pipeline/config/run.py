@@ -187,6 +187,11 @@ class TrainConfig:
     head_chunk: int = setting(
         32768, "target-head vocabulary rows per chunk when finding the target's top token (0: all at once)", check=at_least(0)
     )
+    parallel: str = setting(
+        "ddp",
+        "under torchrun: `ddp` (each rank holds the drafter) or `fsdp` (FSDP2 `fully_shard`: parameters, gradients and optimiser state sharded)",
+        check=one_of("ddp", "fsdp"),
+    )
     wandb_project: str = setting("", "also log to this Weights & Biases project (offline into the output when `WANDB_API_KEY` is unset)")
 
 

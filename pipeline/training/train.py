@@ -140,6 +140,16 @@ def _order(n: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
+def _fully_shard(drafter: Eagle3Drafter) -> None:
+    """FSDP2 over the drafter's trainable modules, each its own unit; the frozen embeddings stay
+    whole on every rank. Units stay gathered through a step's forward: the mid layer runs once
+    per TTT step, and gathering it seven times would cost seven all-gathers for nothing."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in (drafter.fc, drafter.midlayer, drafter.norm, drafter.lm_head):
+        fully_shard(module, reshard_after_forward=False)
+
+
 def _distributed() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not torch.distributed.is_initialized():
@@ -175,7 +185,10 @@ class _Trainer:
             head_chunk=self.tc.head_chunk,
         )
         self.model: nn.Module = objective
-        if self.world > 1:
+        self.sharded = self.world > 1 and self.tc.parallel == "fsdp"
+        if self.sharded:
+            _fully_shard(self.drafter)
+        elif self.world > 1:
             self.model = nn.parallel.DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.tc.lr, weight_decay=self.tc.weight_decay)
@@ -207,17 +220,32 @@ class _Trainer:
         if not self.checkpoint_path.exists():
             return
         state = Checkpoint.load(self.checkpoint_path, map_location=self.device)
-        self.drafter.load_state_dict(state.drafter, strict=False)
-        self.optimizer.load_state_dict(state.optimizer)
+        if self.sharded:  # every rank reads the full state and keeps its own shard of it
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+            full = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(self.drafter, state.drafter, options=full)
+            set_optimizer_state_dict(self.drafter, self.optimizer, state.optimizer, options=full)
+        else:
+            self.drafter.load_state_dict(state.drafter, strict=False)
+            self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         self.step, self.history = state.step, state.history
         self.ctx.log("info", f"train: resumed at step {self.step}/{self.total_steps}")
 
     def save(self) -> None:
+        if self.sharded:  # gathering the shards is collective: every rank takes part, rank 0 writes
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state = get_model_state_dict(self.drafter, options=full)
+            optimizer_state = get_optimizer_state_dict(self.drafter, self.optimizer, options=full)
+        elif self.rank == 0:
+            model_state, optimizer_state = self.drafter.state_dict(), self.optimizer.state_dict()
         if self.rank != 0:
             return
-        weights = {k: v for k, v in self.drafter.state_dict().items() if not k.startswith("embed_tokens.")}
-        Checkpoint(weights, self.optimizer.state_dict(), self.scheduler.state_dict(), self.step, self.history,
+        weights = {k: v for k, v in model_state.items() if not k.startswith("embed_tokens.")}
+        Checkpoint(weights, optimizer_state, self.scheduler.state_dict(), self.step, self.history,
                    list(self.aux_layers), self.drafter.config.to_dict()).save(self.checkpoint_path)  # fmt: skip
 
     def load_batch(self, at: int) -> dict[str, torch.Tensor]:
