@@ -192,13 +192,7 @@ def build_tiny_model(
     }
     config = _architecture_config(architecture, common, kv_heads)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        if branch_scale != 1.0:
-            for name, weight in model.named_parameters():
-                if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
-                    weight *= branch_scale
-        if stop_bias:
-            model.lm_head.weight[tokenizer.eos_token_id] *= stop_bias
+    _scale_weights(model, tokenizer.eos_token_id, branch_scale, stop_bias)
     if pretrain_steps:
         _pretrain(model, tokenizer, pretrain_steps, seed, think_share)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -207,6 +201,18 @@ def build_tiny_model(
     model.save_pretrained(str(directory), **({"max_shard_size": "400KB"} if architecture != "llama" else {}))
     marker.write_text(json.dumps(spec))
     return directory
+
+
+def _scale_weights(model, eos_token_id: int, branch_scale: float, stop_bias: float) -> None:
+    import torch
+
+    with torch.no_grad():
+        if branch_scale != 1.0:
+            for name, weight in model.named_parameters():
+                if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
+                    weight *= branch_scale
+        if stop_bias:
+            model.lm_head.weight[eos_token_id] *= stop_bias
 
 
 def _architecture_config(architecture: str, common: dict, kv_heads: int):
