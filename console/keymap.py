@@ -81,7 +81,8 @@ KEYMAP = DATASET_KEYS + APP_KEYS
 
 
 def bindings(keys: tuple[Key, ...]) -> list[Binding]:
-    return [Binding(k.key, k.action, k.label, show=k.in_footer) for k in keys]
+    # the footer's own key glyphs (⏎ for Enter) are not ASCII; ours are where they can be
+    return [Binding(k.key, k.action, k.label, show=k.in_footer, key_display=k.shown_as if k.shown_as.isascii() else None) for k in keys]
 
 
 def help_rows(keys: tuple[Key, ...] = KEYMAP) -> list[tuple[list[str], str]]:

@@ -149,13 +149,20 @@ def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
     return line
 
 
+def _run_eta(progress: list[DatasetProgress]) -> str:
+    """Datasets run side by side: the run ends with the last of them (unknown while one is)."""
+    live = [p for p in progress if not p.state.terminal]
+    if not live or any(p.eta_s is None for p in live):
+        return "-"
+    return format_duration(max(p.eta_s or 0.0 for p in live))
+
+
 def totals_cells(progress: list[DatasetProgress]) -> dict[str, str]:
     """The console's totals row, in the dataset columns: sums, the whole run's ETA and spend."""
     tokens = sum(p.tokens for p in progress)
     budget = sum(max(p.budget, p.tokens) for p in progress)
     live = [p for p in progress if not p.state.terminal]
     rate = sum(p.tok_per_s for p in live)
-    left = sum(max(0, p.budget - p.tokens) for p in live)
     cost = sum(p.cost for p in progress)
     return {
         "dataset": f"total ({len(progress)})",
@@ -168,7 +175,7 @@ def totals_cells(progress: list[DatasetProgress]) -> dict[str, str]:
         "req_s": format_rate(sum(p.req_per_s for p in live)),
         "tok_s": format_rate(rate),
         "reasoning": "",
-        "eta": format_duration(left / rate) if rate > 0 and left else "-",
+        "eta": _run_eta(progress),
         "in_flight": str(sum(p.in_flight for p in progress)),
         "failures": str(sum(p.failures + p.bad_lines for p in progress)),
     }
@@ -178,9 +185,7 @@ def totals_line(progress: list[DatasetProgress], width: int = STATUS_WIDTH) -> s
     """Every dataset together: tokens against budgets, samples, failures, spend, the run's ETA."""
     tokens = sum(p.tokens for p in progress)
     budget = sum(max(p.budget, p.tokens) for p in progress)
-    rate = sum(p.tok_per_s for p in progress if not p.state.terminal)
-    left = sum(max(0, p.budget - p.tokens) for p in progress if not p.state.terminal)
-    eta = format_duration(left / rate) if rate > 0 and left else "-"
+    eta = _run_eta(progress)
     cost = sum(p.cost for p in progress)
     line = (
         f"{'total':<14} {len(progress)} datasets {format_tokens(tokens):>7}/{format_tokens(budget)}  "
