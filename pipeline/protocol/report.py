@@ -129,6 +129,8 @@ def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
     if not p.state.terminal:
         line += f"  {c['tok_s']} tok/s  ETA {c['eta']}"
     extras = []
+    if p.reason and (p.state.terminal or p.state.value == "paused"):
+        extras.append(f"[{p.reason}]")  # why it stopped comes before the details
     if p.failures or p.bad_lines:
         extras.append(f"failed {c['failures']}")
     if not p.state.terminal:
@@ -139,13 +141,14 @@ def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
         extras.append(f"cut {c['truncated']}")
     if c["cost"]:
         extras.append(f"spend {c['cost']}/{c['projected_cost']}")  # so far / at the whole budget
-    if p.reason and (p.state.terminal or p.state.value == "paused"):
-        extras.append(f"[{p.reason}]")
     for extra in extras:
         if len(line) + 2 + len(extra) <= width:
             line += "  " + extra
-        elif extra.startswith("["):  # the reason matters more than fitting whole: cut it
-            line = _fit(line + "  " + extra, width)
+        elif extra.startswith("["):  # the reason matters more than fitting whole: cut it, between words
+            room = width - len(line) - 3
+            cut = extra[:room].rsplit(" ", 1)[0] if room > 0 else ""
+            if cut:
+                line += f"  {cut}~"
     return line
 
 
