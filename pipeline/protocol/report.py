@@ -128,19 +128,19 @@ def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
     line = f"{_fit(c['dataset'], 14):<14} {c['state']:<11} {c['tokens']:>11} {c['percent']:>6}  {_count(p.samples)} smp"
     if not p.state.terminal:
         line += f"  {c['tok_s']} tok/s  ETA {c['eta']}"
-    extras = []
-    if p.reason and (p.state.terminal or p.state.value == "paused"):
-        extras.append(f"[{p.reason}]")  # why it stopped comes before the details
+    extras = []  # in order of importance: spend (paid APIs), failures, why it stopped, the rest
+    if c["cost"]:
+        extras.append(f"spend {c['cost']}/{c['projected_cost']}")  # so far / at the whole budget
     if p.failures or p.bad_lines:
         extras.append(f"failed {c['failures']}")
+    if p.reason and (p.state.terminal or p.state.value == "paused"):
+        extras.append(f"[{p.reason}]")
     if not p.state.terminal:
         extras.append(f"fly {c['in_flight']}")
     if p.reasoning_tokens:
         extras.append(f"thinking {c['reasoning']}")
     if p.truncated:
         extras.append(f"cut {c['truncated']}")
-    if c["cost"]:
-        extras.append(f"spend {c['cost']}/{c['projected_cost']}")  # so far / at the whole budget
     for extra in extras:
         if len(line) + 2 + len(extra) <= width:
             line += "  " + extra
