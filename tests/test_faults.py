@@ -443,3 +443,13 @@ def test_a_storm_of_kills_and_faults_loses_and_duplicates_nothing(tmp_path):
     assert result.kills >= 3, result
     assert result.clean, result
     assert result.lost == 0 and result.duplicated == 0 and result.key_leaks == 0
+
+
+def test_a_day_of_failures_does_not_overflow_the_backoff():
+    from pipeline.config import EndpointConfig
+
+    pool = EndpointPool((EndpointConfig(base_url="http://127.0.0.1:9/v1", model="m"),), base_bench_s=0.5, max_bench_s=30)
+    endpoint = pool.endpoints[0]
+    for _ in range(3000):  # a probe every 30 s for a day: 2**n must not become a float overflow
+        pool.failed(endpoint, "connection refused")
+    assert 0 < endpoint.benched_until - pool.clock() <= 30

@@ -259,7 +259,9 @@ class DatasetRunner:
     def storage_failed(self, message: str) -> None:
         """A save failed: stop issuing (what is in flight finishes into memory) and retry later."""
         self._storage_failures += 1
-        self._storage_retry_at = self.engine.clock() + min(_STORAGE_RETRY_MAX_S, 0.25 * 2**self._storage_failures)
+        self._storage_retry_at = self.engine.clock() + min(
+            _STORAGE_RETRY_MAX_S, 0.25 * 2 ** min(self._storage_failures, 16)
+        )  # (a float of 2**1024 overflows)
         if message != self.storage_error:
             self.engine.log(
                 "error",

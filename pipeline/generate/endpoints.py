@@ -154,7 +154,7 @@ class EndpointPool:
         strikes = endpoint.failures_in_a_row - BENCH_AFTER
         bench = 0.0
         if strikes >= 0:
-            bench = min(self.max_bench_s, self.base_bench_s * 2**strikes)
+            bench = min(self.max_bench_s, self.base_bench_s * 2 ** min(strikes, 30))  # a day-long outage must not overflow
         if pause_s:
             bench = max(bench, pause_s)
         if bench <= 0:
