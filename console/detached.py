@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline.config import RunConfig
 from pipeline.errors import RunError
-from pipeline.protocol.control import ControlClient, socket_path_for
+from pipeline.protocol.control import ControlClient, checked_runtime_dir, socket_path_for
 
 __all__ = ["DetachedEngine", "start_detached"]
 
@@ -56,6 +56,7 @@ def _answers(socket: Path) -> bool:
 def start_detached(config: RunConfig, argv: list[str]) -> DetachedEngine:
     """Start ``eagleops <argv> --no-tui`` detached, or find the engine already serving this run;
     return once it answers on its socket. Raises RunError with its log's tail if it ends first."""
+    checked_runtime_dir(create=True)  # refused here, at once, rather than by a detached engine nobody could reach
     socket = socket_path_for(config.name, config.output_dir)
     log = config.output_dir / "engine.log"
     if socket.exists() and _answers(socket):
