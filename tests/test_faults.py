@@ -453,3 +453,62 @@ def test_a_day_of_failures_does_not_overflow_the_backoff():
     for _ in range(3000):  # a probe every 30 s for a day: 2**n must not become a float overflow
         pool.failed(endpoint, "connection refused")
     assert 0 < endpoint.benched_until - pool.clock() <= 30
+
+
+async def test_a_manifest_that_could_not_be_written_is_written_by_the_next_flush(tmp_path, monkeypatch):
+    from pipeline.generate.store import DatasetStore, WriteFailed
+
+    source = write_jsonl(tmp_path / "s.jsonl", ["x" * 9] * 4)
+    store = DatasetStore(tmp_path / "out", "d", source)
+    store.open()
+    store.budget_override = 12345  # e.g. a live budget change, nothing else to save
+    real = store_module.write_json_atomic
+    calls = {"n": 0}
+
+    def full_once(path, payload):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, payload)
+
+    monkeypatch.setattr(store_module, "write_json_atomic", full_once)
+    with pytest.raises(WriteFailed):
+        await store.flush(force_manifest=True)
+    assert store.unsaved()  # so the flusher comes back for it
+    await store.flush()
+    assert json.loads(store.manifest_path.read_text())["budget_override"] == 12345 and not store.unsaved()
+
+
+async def test_a_dataset_killed_while_the_disk_is_full_resumes_without_duplicates(tmp_path, fault_server, monkeypatch):
+    from pipeline.protocol.events import Kill, Resume
+
+    source = write_jsonl(tmp_path / "a.jsonl", prompts(120, "[[tokens:5]] [[delay:0.01]]", prefix="kfull"))
+    other = write_jsonl(tmp_path / "b.jsonl", prompts(40, "[[tokens:5]] [[delay:0.01]]", prefix="kother"))
+    datasets = [{"name": "A", "path": str(source), "token_budget": "1M"}, {"name": "B", "path": str(other), "token_budget": "1M"}]
+    config = make_config(tmp_path, fault_server.base_url, datasets, concurrency=4)  # B keeps the run alive while A is killed
+    engine = Engine(config)
+    await engine.open()
+    disk = _DiskFullFor(times=10**6)
+    monkeypatch.setattr(store_module.os, "pwrite", disk)
+    task = asyncio.create_task(engine.run())
+    runner = engine.runners["A"]
+    await wait_for(lambda: runner.storage_error is not None and runner.in_flight == 0 and engine.runners["B"].storage_error is not None)
+    await engine.execute(Kill("A"))
+    assert runner.store.buffered() == 0  # what could not be saved is dropped, to be made again
+    monkeypatch.undo()  # the disk is back
+    await engine.execute(Resume("A"))
+    summary = await asyncio.wait_for(task, 60)
+    assert summary.ok
+    _check_output(tmp_path / "out", "A", {f"kfull{i}" for i in range(120)})
+    _check_output(tmp_path / "out", "B", {f"kother{i}" for i in range(40)})
+
+
+def test_a_placeholder_key_is_not_scrubbed_from_generated_text(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLEOPS_TEST_KEY", "EMPTY")  # what vLLM setups usually pass
+    config = make_config(
+        tmp_path, "", [{"name": "A", "path": str(tmp_path / "a.jsonl"), "token_budget": 1}],
+        endpoints=[{"base_url": "http://127.0.0.1:9/v1", "model": "m", "api_key_env": "EAGLEOPS_TEST_KEY"}],
+    )  # fmt: skip
+    engine = Engine(config)
+    assert engine.redact_data.scrub({"text": "the EMPTY set"}) == {"text": "the EMPTY set"}
+    assert engine.redact("bad key EMPTY") == "bad key ***"  # logs still hide it

@@ -8,7 +8,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from pipeline.config import ALL_STAGES, format_tokens
-from pipeline.engine.detail import dataset_detail
+from pipeline.engine.detail import dataset_detail, failure_reasons
 from pipeline.protocol.events import Ack, Command, DatasetState, Kill, Pause, Resume, SetBudget, StageStatus
 
 if TYPE_CHECKING:
@@ -96,7 +96,9 @@ class EngineCommands:
         runner = self.runners.get(name)
         if runner is None:
             return {"ok": False, "message": f"no dataset named {name!r} (have: {', '.join(self.runners)})"}
-        return {"ok": True, "detail": await asyncio.to_thread(dataset_detail, runner)}
+        detail = dataset_detail(runner)
+        detail["failures"], detail["failures_partial"] = await asyncio.to_thread(failure_reasons, runner.store.failed_path)
+        return {"ok": True, "detail": detail}
 
     async def _set_budget(self: Engine, runner: DatasetRunner, tokens: int) -> Ack:
         old = runner.budget

@@ -161,7 +161,7 @@ class DatasetRunner:
         self.store.dispatched(item)
         self.store.add_failure(
             item,
-            self.engine.redact.scrub(
+            self.engine.redact_data.scrub(
                 {
                     "id": f"line:{item.line}",
                     "kind": "bad_line",
@@ -183,7 +183,7 @@ class DatasetRunner:
             else:
                 completion = await self.engine.client.complete(prompt.messages, thinking=self.thinking)
                 conversation, written = [*prompt.messages, assistant_turn(completion)], [len(prompt.messages)]
-            self.store.add_record(prompt, self.engine.redact.scrub(self._record(prompt, conversation, completion, written)))
+            self.store.add_record(prompt, self.engine.redact_data.scrub(self._record(prompt, conversation, completion, written)))
         except PermanentFailure as exc:
             self._request_failed(prompt, exc.reason, exc.attempts)
         except Exception as exc:  # whatever it is, it is this row's: recorded, and the dataset goes on
@@ -290,6 +290,11 @@ class DatasetRunner:
         stays full; a kill ends the wait (the unsaved records are made again on resume)."""
         while not await self.engine.save(self, force_manifest=True):
             if self._stopping:
+                if dropped := self.store.discard_unsaved():
+                    self.engine.log(
+                        "error", f"{self.config.name}: {dropped} finished records not saved; a resume makes them again", self.config.name
+                    )
+                self.storage_error, self._storage_failures = None, 0  # nothing left to save: a restart tries the disk afresh
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wait(), max(0.05, self._storage_retry_at - self.engine.clock()))

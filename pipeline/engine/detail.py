@@ -34,6 +34,8 @@ def failure_reasons(path: Path) -> tuple[dict[str, int], bool]:
                     record = json.loads(raw)
                 except ValueError:
                     continue
+                if not isinstance(record, dict):
+                    continue
                 if record.get("kind") == "bad_line":
                     kinds[f"bad line: {record.get('field', '?')}"] += 1
                 else:
@@ -51,10 +53,10 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def dataset_detail(runner: DatasetRunner) -> dict[str, Any]:
-    """Blocking (reads failed.jsonl): call through a thread."""
+    """The live part, read on the event loop (the runner's state is the loop's alone); the
+    failures come from ``failure_reasons`` in a thread."""
     progress = runner.progress()
     totals = runner.store.accepted
-    failures, partial = failure_reasons(runner.store.failed_path)
     latencies = list(runner.latencies)
     return {
         "name": runner.config.name,
@@ -69,8 +71,6 @@ def dataset_detail(runner: DatasetRunner) -> dict[str, Any]:
         "reasoning_tokens": totals.reasoning_tokens,
         "prompt_tokens": totals.prompt_tokens,
         "cost": round(totals.cost, 6),
-        "failures": failures,
-        "failures_partial": partial,
         "latency_p50_s": _percentile(latencies, 0.5),
         "latency_p95_s": _percentile(latencies, 0.95),
         "latency_samples": len(latencies),

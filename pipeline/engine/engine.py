@@ -22,7 +22,7 @@ from pipeline.engine.bus import EventBus, Subscription
 from pipeline.engine.commands import EngineCommands
 from pipeline.engine.datasets import DatasetRunner
 from pipeline.engine.digest import RetryDigest
-from pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, read_host, scrape_metrics, server_metrics
+from pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, telemetry_loop
 from pipeline.errors import EagleOpsError, RunError
 from pipeline.files import try_lock
 from pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
@@ -75,8 +75,11 @@ class Engine(EngineCommands):
         self.progress_interval_s = progress_interval_s
         self.telemetry_interval_s = telemetry_interval_s
         self.gpu_reader = gpu_reader or gpu_reader_from_env()
-        self._telemetry: dict[str, Event] = {}
+        self.latest_telemetry: dict[str, Event] = {}
         self.redact = Redactor(config.secrets())
+        # generated text is rewritten only for keys long enough to be real: a placeholder key such
+        # as vLLM's usual "EMPTY" must not turn every "EMPTY" the target writes into ***
+        self.redact_data = Redactor(config.secrets(), min_length=16)
         self.bus = EventBus(self.snapshot)
         self.runners: dict[str, DatasetRunner] = {}
         self.stages = tuple(stages) if stages is not None else config.stage_names
@@ -108,7 +111,7 @@ class Engine(EngineCommands):
         events: list[Event] = list(self.stage_states.values())
         events += [runner.progress() for runner in self.runners.values()]
         events += self.endpoint_stats()
-        events += self._telemetry.values()
+        events += self.latest_telemetry.values()
         events += self.bus.log_tail[-SNAPSHOT_LOG_LINES:]
         return events
 
@@ -127,8 +130,8 @@ class Engine(EngineCommands):
         return self.pool.stats(ended=ended)
 
     def _pool(self, endpoints: tuple[EndpointConfig, ...]) -> EndpointPool:
-        retry = self.config.retry
-        return EndpointPool(endpoints, base_bench_s=max(0.05, retry.base_delay_s), max_bench_s=max(0.05, retry.max_delay_s))
+        bench = (max(0.05, self.config.retry.base_delay_s), max(0.05, self.config.retry.max_delay_s))
+        return EndpointPool(endpoints, base_bench_s=bench[0], max_bench_s=bench[1])
 
     def model_for(self, label: str) -> str:
         return self._models.get(label, "")
@@ -180,32 +183,6 @@ class Engine(EngineCommands):
             for stats in self.endpoint_stats():
                 self.publish(stats)
 
-    async def _telemetry_loop(self, session: aiohttp.ClientSession) -> None:
-        """GPUs and host every tick; servers' /metrics every few ticks. Never on the event loop's
-        critical path: NVML and psutil run in a thread, scrapes are plain async requests."""
-        previous: dict[str, object] = {}
-        tick = 0
-        while True:
-            try:
-                gpu = await asyncio.to_thread(self.gpu_reader.read)
-                host = await asyncio.to_thread(read_host)
-            except Exception as exc:
-                self.log("warning", f"telemetry: {type(exc).__name__}: {exc}")
-            else:
-                for event in (gpu, host):
-                    self._telemetry[event.kind] = event
-                    self.publish(event)
-            if tick % 3 == 0:
-                for ep in [state.config for state in self.pool.endpoints]:
-                    values = await scrape_metrics(session, ep.base_url)
-                    if values is None:
-                        continue
-                    metrics, previous[ep.label] = server_metrics(ep.label, values, previous.get(ep.label), time.monotonic())
-                    self._telemetry[f"server:{ep.label}"] = metrics
-                    self.publish(metrics)
-            tick += 1
-            await asyncio.sleep(self.telemetry_interval_s)
-
     def _lock_output(self) -> None:
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
         lock, holder = try_lock(self.config.output_dir / ".lock")
@@ -247,11 +224,16 @@ class Engine(EngineCommands):
         if self._lock_file is None:
             await self.open()
         connections, warning = connection_limit(self.config.concurrency, len(self.config.datasets))
-        if warning is not None:
+        if warning is not None:  # fewer requests in flight, so none waits for a connection on its timeout
             self.log("warning", warning)
+            self.slots = asyncio.Semaphore(connections)
         connector = aiohttp.TCPConnector(limit=connections, ttl_dns_cache=300, enable_cleanup_closed=True)
-        async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
-            telemetry = asyncio.create_task(self._telemetry_loop(session), name="telemetry")
+        # telemetry has connections of its own: /metrics must answer when generation holds them all
+        async with (
+            aiohttp.ClientSession(connector=connector, trust_env=False) as session,
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4), trust_env=False) as scrapes,
+        ):
+            telemetry = asyncio.create_task(telemetry_loop(self, scrapes), name="telemetry")
             try:
                 if "generate" in self.stages:
                     await self._generate_with_served_target(session)

@@ -6,17 +6,22 @@ and vLLM servers.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
 from pipeline.protocol.events import GpuStats, HostStats, ServerMetrics
 
+if TYPE_CHECKING:
+    from pipeline.engine.engine import Engine
+
 __all__ = [
+    "telemetry_loop",
     "GpuReader",
     "NvmlReader",
     "StaticGpuReader",
@@ -232,3 +237,30 @@ async def scrape_metrics(session: aiohttp.ClientSession, base_url: str) -> dict[
             return parse_prometheus(await response.text())
     except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
         return None
+
+
+async def telemetry_loop(engine: Engine, session: aiohttp.ClientSession) -> None:
+    """GPUs and host every tick; servers' /metrics every few ticks. Never on the event loop's
+    critical path: NVML and psutil run in a thread, scrapes are plain async requests."""
+    previous: dict[str, object] = {}
+    tick = 0
+    while True:
+        try:
+            gpu = await asyncio.to_thread(engine.gpu_reader.read)
+            host = await asyncio.to_thread(read_host)
+        except Exception as exc:
+            engine.log("warning", f"telemetry: {type(exc).__name__}: {exc}")
+        else:
+            for event in (gpu, host):
+                engine.latest_telemetry[event.kind] = event
+                engine.publish(event)
+        if tick % 3 == 0:
+            for ep in [state.config for state in engine.pool.endpoints]:
+                values = await scrape_metrics(session, ep.base_url)
+                if values is None:
+                    continue
+                metrics, previous[ep.label] = server_metrics(ep.label, values, previous.get(ep.label), time.monotonic())
+                engine.latest_telemetry[f"server:{ep.label}"] = metrics
+                engine.publish(metrics)
+        tick += 1
+        await asyncio.sleep(engine.telemetry_interval_s)

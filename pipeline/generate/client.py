@@ -182,8 +182,11 @@ class ChatClient:
                 self.pool.failed(endpoint, exc.reason, retry_after)
                 if attempt >= self.retry.max_attempts:
                     raise PermanentFailure(f"{exc.reason} (gave up after {attempt} attempts)", attempt) from None
-                # another healthy endpoint takes the retry at once; the same one only after a backoff
-                delay = 0.0 if self.pool.healthy_other_than(endpoint) else self.backoff(attempt, retry_after)
+                # another healthy endpoint takes the retry after at most the first backoff (not the
+                # growing one: that is for the endpoint that failed); without one, the full backoff
+                delay = self.backoff(attempt, retry_after)
+                if self.pool.healthy_other_than(endpoint):
+                    delay = min(delay, self.retry.base_delay_s)
                 if self.on_retry is not None:
                     self.on_retry(endpoint.config.label, exc.reason, delay)
             except PermanentFailure as exc:

@@ -242,6 +242,14 @@ class DatasetStore:
     def unsaved(self) -> bool:
         return bool(self._batch) or self._manifest_stale
 
+    def discard_unsaved(self) -> int:
+        """Forget the finished records that could not be saved (a kill while the disk is full):
+        their source lines are past the watermark, so they are made again, once, on resume."""
+        dropped = self.buffered()
+        self._batch = _Batch()
+        self.accepted = self.durable.copy()
+        return dropped
+
     def done_offset(self) -> int:
         """Every source byte before this one is done or in flight's past: how far the dataset has come."""
         return self._watermark()[0]
@@ -283,6 +291,7 @@ class DatasetStore:
             try:
                 await asyncio.to_thread(self._write_manifest, self._manifest())
             except OSError as exc:
+                self._manifest_stale = True  # retried by the next flush, even with no records to add
                 raise WriteFailed(self.manifest_path, exc) from None  # the records are safe: resume reads them back
             self._manifest_stale = False
 

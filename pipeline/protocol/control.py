@@ -54,8 +54,12 @@ def checked_runtime_dir(*, create: bool) -> Path:
     owned by us and closed to everyone else: in a shared /tmp anyone can create it first."""
     folder = runtime_dir()
     if create:
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise ControlError(f"{folder}: cannot create the runtime directory ({exc.strerror or exc})") from None
     try:
         info = os.lstat(folder)
     except FileNotFoundError:
@@ -185,7 +189,11 @@ class ControlServer:
                     await _send(writer, {"ok": True, "events": [e.to_json() for e in self.engine.snapshot()]})
                     continue
                 if name == "detail":
-                    await _send(writer, await self.engine.detail(str(request.get("dataset"))))
+                    try:
+                        answer = await self.engine.detail(str(request.get("dataset")))
+                    except Exception as exc:  # one failed request, not a traceback in the server
+                        answer = {"ok": False, "message": f"detail failed: {type(exc).__name__}: {exc}"}
+                    await _send(writer, answer)
                     continue
                 try:
                     command = command_from_json(request)

@@ -42,8 +42,8 @@ def _base64_cores(secret: str) -> list[str]:
 class Redactor:
     """Replaces every secret value in text that may reach a log, an event or a file."""
 
-    def __init__(self, secrets: list[str]):
-        values = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
+    def __init__(self, secrets: list[str], *, min_length: int = 4):
+        values = sorted({s for s in secrets if len(s) >= min_length}, key=len, reverse=True)
         alternatives = ["".join(_char_pattern(c) for c in s) for s in values]
         alternatives += [re.escape(core) for s in values for core in _base64_cores(s)]
         self.secrets = values
