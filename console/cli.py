@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -158,6 +159,8 @@ def _distributed_stage(config, stage: str) -> int:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()  # every rank past its last collective before the group goes (gloo aborts otherwise)
             dist.destroy_process_group()
     return 0
 

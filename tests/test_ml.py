@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -466,7 +467,11 @@ def test_fsdp_two_processes_match_ddp_and_resume_on_the_same_curve(workdir, tiny
     try:
         while not checkpoint.exists() and killed.poll() is None:
             time.sleep(0.05)
-        os.killpg(killed.pid, signal.SIGKILL)  # the whole torchrun job, between checkpoints
+        import psutil
+
+        for proc in [*psutil.Process(killed.pid).children(recursive=True), psutil.Process(killed.pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGKILL)  # the whole torchrun job (its workers too), between checkpoints
     finally:
         killed.wait()
     state = torch.load(checkpoint, weights_only=False)
