@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
@@ -80,7 +80,7 @@ class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="dialog"):
+        with VerticalScroll(id="dialog"):  # at 80x24 the keys run past the screen: ↑ ↓ PgDn scroll them
             yield Static(to_ascii(HELP) if getattr(self.app, "ascii", False) else HELP)
 
     def action_close(self) -> None:

@@ -736,3 +736,19 @@ async def test_enter_shows_a_datasets_detail_from_the_engine(tmp_path, fault_ser
     remote = await ControlClient(server.path).detail("A")  # the same over the socket, for an attached console
     assert remote["failures"] == {"HTTP 400": 1, "bad line: <json>": 1} and remote["samples"] == 20
     await server.close()
+
+
+async def test_the_help_screen_scrolls_to_its_last_line_at_80x24():
+    app = EagleOpsApp(ScriptedLink(fixed_events()))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        dialog = app.screen.query_one("#dialog")
+        assert dialog.max_scroll_y > 0  # more than fits
+        await pilot.press("end")
+        await pilot.pause()
+        assert dialog.scroll_y == dialog.max_scroll_y
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, HelpScreen)
