@@ -15,67 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import parse_run
-from pipeline.demo.demo import write_demo_datasets
 from pipeline.engine import Engine
 from pipeline.protocol.events import StageStatus
-from pipeline.servers.launch import start_server
 from pipeline.training.context import StageContext, StageKilled
 from pipeline.training.prepare import tokenize_conversation
 from pipeline.training.vocab import build_draft_vocab
 
 from .conftest import KillAt
+from .conftest import ml_config as _config
+from .conftest import run_stage as _stage
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _config(folder: Path, model: Path, **sections) -> object:
-    data = {
-        "name": "ml",
-        "output_dir": str(folder / "out"),
-        "concurrency": 16,
-        "sampling": {"max_tokens": 48, "temperature": 1.0},
-        "endpoints": [{"base_url": sections.pop("base_url", "http://127.0.0.1:9/v1"), "model": "tiny"}],
-        "datasets": [
-            {"name": "B1", "path": str(folder / "data" / "sharegpt.jsonl"), "format": "conversations", "token_budget": 2500},
-            {"name": "B2", "path": str(folder / "data" / "ultrachat.jsonl"), "format": "messages", "token_budget": 2000},
-        ],
-        "target": {"model": str(model)},
-        "prepare": {"draft_vocab_size": 256, "eval_fraction": 0.1, "eval_max": 16},
-        "extract": {"shard_samples": 64, "batch_tokens": 2048},
-        "train": {"epochs": 2, "lr": 3e-3, "batch_size": 4, "ttt_length": 4, "warmup_ratio": 0.05, "checkpoint_every": 50, "log_every": 10},
-        "eval": {"prompts": 16, "max_new_tokens": 48, "draft_tokens": 4},
-    }
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    return parse_run(data, origin=str(folder / "run.toml"), base_dir=folder)
-
-
-@pytest.fixture(scope="module")
-def generated(tmp_path_factory, tiny_model) -> Path:
-    """A real generate run: our model server on loopback serving the tiny target."""
-    folder = tmp_path_factory.mktemp("generated")
-    write_demo_datasets(folder / "data", count=220)
-    with start_server(
-        ["pipeline.servers.model", "--model", str(tiny_model), "--max-batch", "32"], folder / "port", log_path=folder / "log"
-    ) as port:
-        config = _config(folder, tiny_model, base_url=f"http://127.0.0.1:{port}/v1", stages=["generate"])
-        summary = asyncio.run(Engine(config).run())
-    assert summary.ok
-    return folder
-
-
-@pytest.fixture
-def workdir(tmp_path, generated) -> Path:
-    shutil.copytree(generated / "data", tmp_path / "data")
-    shutil.copytree(generated / "out", tmp_path / "out", ignore=shutil.ignore_patterns(".lock"))
-    return tmp_path
-
-
-def _stage(config, name: str, ctx: StageContext | None = None):
-    from pipeline.training.stages import stage_functions
-
-    return stage_functions()[name](config, ctx or StageContext(name))
 
 
 @pytest.mark.slow

@@ -166,6 +166,11 @@ class ExtractConfig:
         "feature storage: `bf16`, or `fp8` (e4m3 with a scale per token and layer: half the bytes; see bench/RESULTS.md)",
         check=one_of("bf16", "fp8"),
     )
+    max_cache_gb: float = setting(
+        0.0,
+        "with `train.overlap_extract` and one epoch: GB of shards kept on disk; train deletes the shards it has checkpointed past, extract waits for room (0: keep every shard)",
+        check=finite_at_least(0),
+    )
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,10 @@ class TrainConfig:
         "ddp",
         "under torchrun: `ddp` (each rank holds the drafter) or `fsdp` (FSDP2 `fully_shard`: parameters, gradients and optimiser state sharded)",
         check=one_of("ddp", "fsdp"),
+    )
+    overlap_extract: bool = setting(
+        False,
+        "train starts while extract writes, reading shards as they land (samples are shuffled within a shard, not across: prepare shuffled them already)",
     )
     wandb_project: str = setting("", "also log to this Weights & Biases project (offline into the output when `WANDB_API_KEY` is unset)")
 
@@ -274,6 +283,11 @@ class RunConfig:
             raise table.fail(
                 "extract",
                 'backend = "vllm" captures through one replica: set serve.data_parallel_size = 1 (tensor/pipeline parallel are fine)',
+            )
+        if config.extract.max_cache_gb and not (config.train.overlap_extract and config.train.epochs == 1):
+            raise table.fail(
+                "extract",
+                "max_cache_gb: deleting trained-on shards needs train.overlap_extract = true and train.epochs = 1 (a later epoch would read them again)",
             )
         if config.serve is not None and config.serve.model is None and config.target is None:
             raise table.fail("serve", "model: name the model to serve (or give a [target] table)")

@@ -26,8 +26,9 @@ class EngineCommands:
             ack = self._stage_command(command)
             self.log("info" if ack.ok else "warning", f"command {command.kind} {command.dataset}: {ack.message}")
             return ack
-        if command.dataset is None and self._stage_ctx is not None and isinstance(command, (Pause, Resume)):
-            self._stage_command(type(command)(self._stage_ctx.stage))
+        if command.dataset is None and isinstance(command, (Pause, Resume)):
+            for stage in list(self._stage_ctxs):
+                self._stage_command(type(command)(stage))
         targets = self._targets(command.dataset)
         if targets is None:
             return Ack(False, f"no dataset named {command.dataset!r} (have: {', '.join(self.runners)})")
@@ -68,9 +69,9 @@ class EngineCommands:
         return ack
 
     def _stage_command(self: Engine, command: Command) -> Ack:
-        ctx = self._stage_ctx
-        if ctx is None or ctx.stage != command.dataset:
-            running = ctx.stage if ctx is not None else "none"
+        ctx = self._stage_ctxs.get(command.dataset or "")
+        if ctx is None:
+            running = ", ".join(self._stage_ctxs) or "none"
             return Ack(False, f"stage {command.dataset} is not running (running: {running})")
         if isinstance(command, Pause):
             ctx.pause()
@@ -133,8 +134,8 @@ class EngineCommands:
         if self._killed:
             return
         self._killed = True
-        if self._stage_ctx is not None:
-            self._stage_ctx.kill()
+        for ctx in list(self._stage_ctxs.values()):
+            ctx.kill()
         for runner in self.runners.values():
             runner.stop()
         if self._served is not None:  # a vLLM still loading would hold the kill for minutes

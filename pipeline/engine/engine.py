@@ -20,6 +20,7 @@ import aiohttp
 from pipeline.config import ALL_STAGES, EndpointConfig, RunConfig, format_tokens
 from pipeline.engine.bus import EventBus, Subscription
 from pipeline.engine.commands import EngineCommands
+from pipeline.engine.compute import EngineStages
 from pipeline.engine.datasets import DatasetRunner
 from pipeline.engine.digest import RetryDigest
 from pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, telemetry_loop
@@ -32,7 +33,7 @@ from pipeline.protocol.control import ControlError, ControlServer, socket_path_f
 from pipeline.protocol.events import DatasetProgress, DatasetState, EndpointStats, Event, LogEvent, StageState, StageStatus
 from pipeline.protocol.redact import Redactor
 from pipeline.servers.supervisor import SupervisedServer
-from pipeline.training.context import StageContext, StageKilled
+from pipeline.training.context import StageContext
 
 __all__ = ["STAGES", "Engine", "EngineError", "RunSummary"]
 
@@ -59,7 +60,7 @@ class RunSummary:
         )
 
 
-class Engine(EngineCommands):
+class Engine(EngineCommands, EngineStages):
     def __init__(
         self,
         config: RunConfig,
@@ -85,7 +86,7 @@ class Engine(EngineCommands):
         self.stages = tuple(stages) if stages is not None else config.stage_names
         self.stage_states = {name: StageState(name, StageStatus.PENDING if name in self.stages else StageStatus.SKIPPED) for name in STAGES}
         self.stage_results: dict[str, object] = {}
-        self._stage_ctx: StageContext | None = None
+        self._stage_ctxs: dict[str, StageContext] = {}  # the compute stages running (two while train follows extract)
         self.slots = asyncio.Semaphore(config.concurrency)
         self.pool = self._pool(config.endpoints)
         self.client: ChatClient  # set in run()
@@ -237,12 +238,10 @@ class Engine(EngineCommands):
             try:
                 if "generate" in self.stages:
                     await self._generate_with_served_target(session)
-                for name in self.stages:
-                    if name == "generate":
-                        continue
+                for group in self._compute_groups():
                     if self._killed or self._stage_failed():
                         break
-                    await self._compute_stage(name)
+                    await self._compute_together(group)
             finally:
                 telemetry.cancel()
                 await asyncio.gather(telemetry, return_exceptions=True)
@@ -253,13 +252,6 @@ class Engine(EngineCommands):
             self._lock_file.close()
             self._lock_file = None
         return RunSummary([r.progress() for r in self.runners.values()], self._killed, {k: v.status for k, v in self.stage_states.items()})
-
-    def _stage_failed(self) -> bool:
-        return any(state.status == StageStatus.FAILED for state in self.stage_states.values())
-
-    def _set_stage(self, name: str, status: StageStatus, detail: str = "") -> None:
-        self.stage_states[name] = StageState(name, status, detail)
-        self.publish(self.stage_states[name])
 
     async def _generate_with_served_target(self, session: aiohttp.ClientSession) -> None:
         try:
@@ -358,24 +350,3 @@ class Engine(EngineCommands):
             self._set_stage("generate", StageStatus.FAILED, "a dataset failed")
         else:
             self._set_stage("generate", StageStatus.DONE)
-
-    async def _compute_stage(self, name: str) -> None:
-        """A torch stage in a worker thread; its events cross back to the loop thread-safely."""
-        from pipeline.training.stages import stage_functions
-
-        loop = asyncio.get_running_loop()
-        ctx = StageContext(name, lambda event: loop.call_soon_threadsafe(self.publish, event))
-        self._stage_ctx = ctx
-        self._set_stage(name, StageStatus.RUNNING)
-        try:
-            result = await asyncio.to_thread(stage_functions()[name], self.config, ctx)
-        except StageKilled:
-            self._set_stage(name, StageStatus.KILLED, "killed; resumable")
-        except Exception as exc:
-            self.log("error", self.redact(f"{name}: {type(exc).__name__}: {exc}"))
-            self._set_stage(name, StageStatus.FAILED, self.redact(str(exc))[:200])
-        else:
-            self.stage_results[name] = result
-            self._set_stage(name, StageStatus.DONE)
-        finally:
-            self._stage_ctx = None

@@ -122,6 +122,9 @@ class FeaturesIndex:
     shards: dict[str, FeatureShard] = field(default_factory=dict)
     metrics: dict[str, Any] | None = None
     storage: str = "bf16"  # or "fp8": e4m3 with a scale per token (and per layer)
+    samples: int | None = None  # every prepared sample, extracted or not yet: a following train knows its length
+    shard_samples: int | None = None  # shard k holds samples [k * shard_samples, (k + 1) * shard_samples)
+    complete: bool = False  # extract wrote its last shard
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -21,6 +21,7 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext
+from pipeline.training.feature_cache import room_for_shard
 from pipeline.training.features import ExtractRates, extract_metrics, open_features_index, shards_to_do, write_feature_shard
 from pipeline.training.target import load_target, require_target
 
@@ -127,6 +128,10 @@ def extract(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     try:
         for first, name in shards_to_do(index, out, len(samples), per):
             ctx.checkpoint()
+            if config.extract.max_cache_gb and pending is not None:
+                pending.result()  # the shard in flight counts against the bound
+            if not room_for_shard(config, index, ctx):
+                break
             chunk = samples[first : first + per]
             offsets, aux, final = _compute_shard(model, device, chunk, index, config, ctx, (done_tokens, prepared.tokens), rates)
             if pending is not None:
@@ -137,6 +142,7 @@ def extract(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     finally:
         writer.shutdown(wait=True)
     index.metrics = extract_metrics(index, rates, device)
+    index.complete = len(index.shards) * per >= len(samples)
     index.write(out)
     ctx.metrics(**index.metrics)
     ctx.progress(index.tokens, prepared.tokens, "tokens", force=True)

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, RunError
 from pipeline.training.artifacts import FeatureShard, FeaturesIndex, PreparedIndex
 from pipeline.training.drafter import eagle3_aux_layers
+from pipeline.training.feature_cache import ConsumedShards, forget_consumed
 from pipeline.training.target import require_target
 
 __all__ = [
@@ -34,7 +35,8 @@ def shard_name(i: int) -> str:
 def shards_to_do(index: FeaturesIndex, out: Path, samples: int, per_shard: int) -> list[tuple[int, str]]:
     """(first sample, shard file) of every shard not yet written: where a resumed extract starts."""
     todo = [(first, shard_name(first // per_shard)) for first in range(0, samples, per_shard)]
-    return [(first, name) for first, name in todo if not (name in index.shards and (out / name).exists())]
+    consumed = set(ConsumedShards.read(out, index.prepared).shards)  # trained on and deleted: done
+    return [(first, name) for first, name in todo if not (name in index.shards and ((out / name).exists() or name in consumed))]
 
 
 def write_feature_shard(
@@ -94,11 +96,27 @@ def open_features_index(config: RunConfig, prepared: PreparedIndex, layers: int,
     if max(aux_layers) >= layers:
         raise ConfigError(f"{config.source}: extract.aux_layers {list(aux_layers)}: the target has only {layers} layers")
     index = FeaturesIndex.read_if_present(config.features_dir)
-    storage = config.extract.storage
-    if index is not None and index.prepared == prepared.fingerprint and tuple(index.aux_layers) == aux_layers and index.storage == storage:
+    storage, per = config.extract.storage, config.extract.shard_samples
+    same = (prepared.fingerprint, aux_layers, storage, per)
+    if index is not None and (index.prepared, tuple(index.aux_layers), index.storage, index.shard_samples or per) == same:
+        index.samples, index.shard_samples = prepared.samples, per  # an index from before they were recorded
         return index
     target = require_target(config)
-    return FeaturesIndex(prepared.fingerprint, list(aux_layers), hidden_size, layers, str(target.model), storage=storage)
+    fresh = FeaturesIndex(
+        prepared.fingerprint,
+        list(aux_layers),
+        hidden_size,
+        layers,
+        str(target.model),
+        storage=storage,
+        samples=prepared.samples,
+        shard_samples=per,
+    )
+    # written before the first shard: a train following this extract learns the layout from it, and
+    # the trained-on record of older features must not carry over to these
+    forget_consumed(config.features_dir)
+    fresh.write(config.features_dir)
+    return fresh
 
 
 @dataclass
@@ -129,19 +147,64 @@ def extract_metrics(index: FeaturesIndex, rates: ExtractRates, device: Any) -> d
 
 class FeatureShards:
     """Random access to extracted samples without loading every shard first: a shard is opened
-    (memory-mapped by safetensors) when one of its samples is asked for."""
+    (memory-mapped by safetensors) when one of its samples is asked for.
 
-    def __init__(self, directory: Path):
+    Following an extract that is still writing (``follow``: the stage context), the layout comes
+    from the index extract writes first, and a sample whose shard is not written yet waits for it."""
+
+    def __init__(self, directory: Path, *, follow: Any = None, prepared: str = ""):
         self.directory = directory
-        self.index = FeaturesIndex.read(directory)
+        self.follow = follow
+        self.waiting_for: str | None = None  # the shard a following read waits on, if any
+        self._logged_wait = -1e9
+        self.index = self._following_index(prepared) if follow is not None else FeaturesIndex.read(directory)
         self.entries: list[tuple[str, int]] = []  # (shard file, position in shard) per sample
-        for name, shard in self.index.ordered_shards():
-            self.entries += [(name, j) for j in range(shard.samples)]
+        if follow is None:
+            for name, shard in self.index.ordered_shards():
+                self.entries += [(name, j) for j in range(shard.samples)]
         self._open: dict[str, Any] = {}
         self._offsets: dict[str, list[int]] = {}
 
+    def _following_index(self, prepared: str) -> FeaturesIndex:
+        """The index of the features of ``prepared``, once extract has written it."""
+        while True:
+            index = FeaturesIndex.read_if_present(self.directory)
+            if index is not None and index.prepared == prepared and index.samples is not None and index.shard_samples:
+                return index
+            self._wait("index.json")
+
+    def _wait(self, what: str) -> None:
+        if self.waiting_for is None and time.monotonic() - self._logged_wait > 60:  # not a line per shard
+            self.follow.log("info", f"{self.follow.stage}: waiting for extract to write {what}")
+            self._logged_wait = time.monotonic()
+        self.waiting_for = what
+        self.follow.checkpoint()
+        time.sleep(0.25)
+
     def __len__(self) -> int:
-        return len(self.entries)
+        return self.index.samples if self.follow is not None and self.index.samples is not None else len(self.entries)
+
+    @property
+    def per_shard(self) -> int:
+        return self.index.shard_samples or max(1, len(self.entries))
+
+    def _locate(self, i: int) -> tuple[str, int]:
+        if self.follow is None:
+            return self.entries[i]
+        k, j = divmod(i, self.per_shard)
+        name = shard_name(k)
+        while name not in self.index.shards:
+            if self.index.complete:
+                raise RunError(f"{self.directory}: {name} is not in the index though extract has finished")
+            self._wait(name)
+            self.index = FeaturesIndex.read_if_present(self.directory) or self.index
+        self.waiting_for = None
+        if not (self.directory / name).exists():
+            raise RunError(
+                f"{self.directory / name}: deleted after a train checkpointed past it (extract.max_cache_gb); "
+                f"to train again from the start, delete {self.directory / 'consumed.json'} and extract again"
+            )
+        return name, j
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -159,7 +222,7 @@ class FeatureShards:
         return self._open[name]
 
     def length(self, i: int) -> int:
-        name, j = self.entries[i]
+        name, j = self._locate(i)
         self._handle(name)
         offsets = self._offsets[name]
         return offsets[j + 1] - offsets[j]
@@ -167,7 +230,7 @@ class FeatureShards:
     def __getitem__(self, i: int) -> dict[str, Any]:
         import torch
 
-        name, j = self.entries[i]
+        name, j = self._locate(i)
         handle = self._handle(name)
         a, b = self._offsets[name][j], self._offsets[name][j + 1]
         sample = {key: handle.get_slice(key)[a:b] for key in ("input_ids", "loss_mask", "aux", "final")}

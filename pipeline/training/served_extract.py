@@ -23,6 +23,7 @@ from pipeline.servers import vllm_capture
 from pipeline.servers.vllm import complete_ids, launch_for, vllm_server
 from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext, serving
+from pipeline.training.feature_cache import room_for_shard
 from pipeline.training.features import ExtractRates, extract_metrics, open_features_index, shards_to_do, write_feature_shard
 from pipeline.training.target import require_target
 
@@ -107,6 +108,8 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
         _rpc(server.base_url, "eagleops_capture_start", json.dumps(index.aux_layers))
         for first, name in shards_to_do(index, out, len(samples), per):
             ctx.checkpoint()
+            if not room_for_shard(config, index, ctx):
+                break
             chunk = samples[first : first + per]
             t0 = time.perf_counter()
             offsets, aux, final = _capture_shard(server.base_url, launch.served_name, chunk, index, out / f"{name}.capture", ctx)
@@ -116,6 +119,7 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
             ctx.progress(index.tokens, prepared.tokens, "tokens")
     index.metrics = extract_metrics(index, rates, torch.device("cpu"))
     index.metrics["backend"] = "vllm"
+    index.complete = len(index.shards) * per >= len(samples)
     index.write(out)
     ctx.metrics(**index.metrics)
     ctx.progress(index.tokens, prepared.tokens, "tokens", force=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["stage_functions"]
+__all__ = ["import_for_concurrent_stages", "stage_functions"]
 
 
 def stage_functions() -> dict[str, Callable[..., Any]]:
@@ -16,3 +16,12 @@ def stage_functions() -> dict[str, Callable[..., Any]]:
     from pipeline.training.train import train
 
     return {"prepare": prepare, "extract": extract, "train": train, "export": export, "eval": evaluate}
+
+
+def import_for_concurrent_stages() -> None:
+    """What two stages running side by side import, imported once first: transformers resolves
+    its names lazily, and two threads doing that at once can fail ("cannot import name
+    AutoModelForCausalLM")."""
+    import safetensors.torch  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig  # noqa: F401
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: F401

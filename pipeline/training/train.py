@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import RunConfig
-from pipeline.training.artifacts import Checkpoint, TrainResult
+from pipeline.training.artifacts import Checkpoint, PreparedIndex, TrainResult
 from pipeline.training.context import StageContext, StageKilled
 from pipeline.training.drafter import DraftCache, Eagle3Drafter, build_drafter
+from pipeline.training.feature_cache import release_consumed, result_when_stalled, windowed_order
 from pipeline.training.features import FeatureShards
 from pipeline.training.target import head_and_embeddings, pick_device, require_target
 from pipeline.training.tracking import Trackers
@@ -173,7 +174,12 @@ class _Trainer:
         if self.world > 1 and device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         self.device = device
-        self.features = FeatureShards(config.features_dir)
+        self.follow = self.tc.overlap_extract
+        self.features = (
+            FeatureShards(config.features_dir, follow=ctx, prepared=PreparedIndex.read(config.prepared_dir).fingerprint)
+            if self.follow
+            else FeatureShards(config.features_dir)
+        )
         self.aux_layers = tuple(self.features.aux_layers)
         self.drafter = build_drafter(config, self.aux_layers, seed=self.tc.seed).to(device)
         head, _ = head_and_embeddings(target.model)
@@ -194,14 +200,18 @@ class _Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=self.tc.lr, weight_decay=self.tc.weight_decay)
         self.n = len(self.features)
         self.per_rank = self.n // self.world
-        self.steps_per_epoch = max(1, self.per_rank // self.tc.batch_size)
+        self.global_batch = self.tc.batch_size * self.world
+        # following extract, a step's batch is the next global batch in shard order, dealt out by rank
+        self.steps_per_epoch = max(1, (self.n // self.global_batch) if self.follow else (self.per_rank // self.tc.batch_size))
+        self.cache_bound = bool(config.extract.max_cache_gb) and self.follow
+        self._order_cache: tuple[int, list[int]] = (-1, [])
         total = self.steps_per_epoch * self.tc.epochs
         self.total_steps = min(total, self.tc.max_steps) if self.tc.max_steps else total
         self.warmup = max(1, int(self.tc.warmup_ratio * self.total_steps)) if self.tc.warmup_ratio else 0
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._schedule)
         config.train_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_path = config.train_dir / "checkpoint.pt"
-        self.step, self.history = 0, []
+        self.step, self.history, self.saved_step = 0, [], 0
         self.trackers = (  # rank 0 reports for all
             Trackers(config.train_dir, wandb_project=self.tc.wandb_project, run_name=config.name, config=dict(self.tc.__dict__))
             if self.rank == 0
@@ -230,10 +240,10 @@ class _Trainer:
             self.drafter.load_state_dict(state.drafter, strict=False)
             self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
-        self.step, self.history = state.step, state.history
+        self.step, self.history, self.saved_step = state.step, state.history, state.step
         self.ctx.log("info", f"train: resumed at step {self.step}/{self.total_steps}")
 
-    def save(self) -> None:
+    def save(self, *, finished: bool = False) -> None:
         if self.sharded:  # gathering the shards is collective: every rank takes part, rank 0 writes
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
@@ -247,12 +257,37 @@ class _Trainer:
         weights = {k: v for k, v in model_state.items() if not k.startswith("embed_tokens.")}
         Checkpoint(weights, optimizer_state, self.scheduler.state_dict(), self.step, self.history,
                    list(self.aux_layers), self.drafter.config.to_dict()).save(self.checkpoint_path)  # fmt: skip
+        self.saved_step = self.step
+        if self.cache_bound:  # only once the checkpoint is past them: a resume never needs them again
+            released = release_consumed(self.config.features_dir, self.features.index, self.step * self.global_batch, finished=finished)
+            if released:
+                self.ctx.log("info", f"train: deleted {len(released)} trained-on shard(s) ({released[-1]} the last)")
+
+    def _frees_a_shard(self) -> bool:
+        """Under a cache bound, a step that finishes a shard checkpoints, so the shard can go."""
+        if not self.cache_bound:
+            return False
+        per = self.features.per_shard
+        return (self.step * self.global_batch) // per > (self.saved_step * self.global_batch) // per
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        """Every sample's place in ``epoch`` (kept for the epoch: a step reads a batch of it)."""
+        if self._order_cache[0] != epoch:
+            order = (
+                windowed_order(self.n, self.features.per_shard, self.tc.seed, epoch) if self.follow else _order(self.n, self.tc.seed, epoch)
+            )
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
 
     def load_batch(self, at: int) -> dict[str, torch.Tensor]:
         """The batch of step ``at``: a pure function of (seed, epoch, position, rank)."""
         epoch, in_epoch = divmod(at, self.steps_per_epoch)
-        order = _order(self.n, self.tc.seed, epoch)[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
-        chunk = order[in_epoch * self.tc.batch_size : (in_epoch + 1) * self.tc.batch_size]
+        order = self._epoch_order(epoch)
+        if self.follow:
+            first = in_epoch * self.global_batch + self.rank * self.tc.batch_size
+        else:
+            first = self.rank * self.per_rank + in_epoch * self.tc.batch_size
+        chunk = order[first : first + self.tc.batch_size]
         batch = _collate([self.features[i] for i in chunk], torch.device("cpu"), torch.float32)
         return {k: v.pin_memory() for k, v in batch.items()} if self.device.type == "cuda" else batch
 
@@ -282,7 +317,7 @@ class _Trainer:
         try:
             while upcoming is not None:
                 self.ctx.checkpoint()
-                batch = {k: v.to(self.device, non_blocking=True) for k, v in upcoming.result().items()}
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in self._next_batch(upcoming).items()}
                 upcoming = prefetch.submit(self.load_batch, self.step + 1) if self.step + 1 < self.total_steps else None
                 step_started = time.monotonic()
                 record = self.train_step(batch)
@@ -293,7 +328,7 @@ class _Trainer:
                 if self.step % self.tc.log_every == 0 or self.step == self.total_steps:
                     self.ctx.metrics(**record)
                 self.ctx.progress(self.step, self.total_steps, "steps", loss=record["loss"], acc0=record["acc"][0])
-                if self.step % self.tc.checkpoint_every == 0:
+                if self.step % self.tc.checkpoint_every == 0 or self._frees_a_shard():
                     self.save()
         except StageKilled:
             self.save()
@@ -302,8 +337,13 @@ class _Trainer:
             prefetch.shutdown(wait=True, cancel_futures=True)
             if self.trackers is not None:
                 self.trackers.close()
-        self.save()
+        self.save(finished=True)
         return self._summary(time.monotonic() - started, first_step)
+
+    def _next_batch(self, upcoming: Future[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if not self.follow:
+            return upcoming.result()
+        return result_when_stalled(upcoming, self.config.features_dir, self.rank, lambda: self.features.waiting_for)
 
     def _summary(self, elapsed: float, first_step: int) -> TrainResult:
         if self.rank == 0:

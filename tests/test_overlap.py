@@ -1,0 +1,160 @@
+"""Train following extract (``train.overlap_extract``) within a disk bound (``extract.max_cache_gb``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.engine import Engine
+from pipeline.errors import ConfigError
+from pipeline.protocol.events import StageStatus
+
+from .conftest import ml_config, run_stage
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = {"epochs": 1, "batch_size": 2, "ttt_length": 3, "lr": 3e-3, "checkpoint_every": 1000, "log_every": 5, "overlap_extract": True}
+EXTRACT = {"shard_samples": 12, "batch_tokens": 1024}
+
+
+class DiskWatch(threading.Thread):
+    """Samples the shard bytes on disk (temporaries included) and whether train has deleted any
+    while extract was still writing."""
+
+    def __init__(self, features: Path):
+        super().__init__(daemon=True)
+        self.features, self.peak, self.overlapped = features, 0, False
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.005):
+            on_disk = 0
+            for path in self.features.glob("shard-*"):
+                try:
+                    on_disk += path.stat().st_size
+                except FileNotFoundError:
+                    continue
+            self.peak = max(self.peak, on_disk)
+            if (self.features / "consumed.json").exists() and not _index(self.features).get("complete", True):
+                self.overlapped = True
+
+
+def _index(features: Path) -> dict:
+    try:
+        return json.loads((features / "index.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _curve(config) -> list[float]:
+    return [json.loads(line)["loss"] for line in (config.train_dir / "history.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(generated, tiny_model, tmp_path_factory) -> tuple[Path, list[float], int]:
+    """(the generated run's folder, the loss curve of extract-all-then-train in the same
+    shard-by-shard order, the largest shard's bytes)."""
+    folder = tmp_path_factory.mktemp("reference")
+    shutil.copytree(generated / "data", folder / "data")
+    shutil.copytree(generated / "out", folder / "out", ignore=shutil.ignore_patterns(".lock"))
+    config = ml_config(folder, tiny_model, extract=EXTRACT, train=TRAIN)
+    run_stage(config, "prepare")
+    run_stage(config, "extract")
+    largest = max(s["bytes"] for s in _index(config.features_dir)["shards"].values())
+    run_stage(config, "train")
+    return folder, _curve(config), largest
+
+
+def _bounded(reference, tiny_model, folder: Path) -> tuple[object, float]:
+    shutil.copytree(reference[0] / "data", folder / "data")
+    shutil.copytree(reference[0] / "out" / "prepared", folder / "out" / "prepared")
+    bound_gb = 3 * reference[2] / 1e9  # three shards of a dozen samples
+    extract = {**EXTRACT, "max_cache_gb": bound_gb}
+    return ml_config(folder, tiny_model, extract=extract, train=TRAIN, stages=["extract", "train"]), bound_gb
+
+
+@pytest.mark.slow
+def test_train_follows_extract_within_the_cache_bound_on_the_same_curve(reference, tiny_model, tmp_path):
+    config, bound_gb = _bounded(reference, tiny_model, tmp_path)
+    watch = DiskWatch(config.features_dir)
+    watch.start()
+    try:
+        summary = asyncio.run(Engine(config).run())
+    finally:
+        watch.done.set()
+        watch.join()
+    assert summary.stages["extract"] == StageStatus.DONE and summary.stages["train"] == StageStatus.DONE
+    assert watch.overlapped, "train deleted no shard while extract was still writing"
+    assert 0 < watch.peak <= bound_gb * 1e9, (watch.peak, bound_gb * 1e9)
+    assert _curve(config) == pytest.approx(reference[1], rel=1e-5, abs=1e-6)
+    consumed = json.loads((config.features_dir / "consumed.json").read_text())
+    shards = _index(config.features_dir)["shards"]
+    assert consumed["finished"] and len(consumed["shards"]) >= len(shards) - 1
+    assert not any((config.features_dir / name).exists() for name in consumed["shards"])
+    assert _index(config.features_dir)["complete"]
+
+
+def _toml(value: object) -> str:
+    return json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+
+
+def _run_file(config, folder: Path) -> Path:
+    """The test's config as a run file, for a real `eagleops run` process."""
+    lines = [f"name = {_toml(config.name)}", f"output_dir = {_toml(str(config.output_dir))}", f"stages = {_toml(list(config.stages))}"]
+    lines += ["[[endpoints]]", 'base_url = "http://127.0.0.1:9/v1"', 'model = "tiny"']
+    lines += ["[[datasets]]", 'name = "B1"', f"path = {_toml(str(folder / 'data' / 'sharegpt.jsonl'))}", "token_budget = 1"]
+    lines += ["[target]", f"model = {_toml(str(config.target.model))}"]
+    for section in ("extract", "train"):
+        values = dataclasses.asdict(getattr(config, section))
+        lines += [f"[{section}]", *(f"{k} = {_toml(v)}" for k, v in values.items() if v is not None)]
+    path = folder / "run.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_a_bounded_overlap_killed_9_resumes_on_the_same_curve(reference, tiny_model, tmp_path):
+    config, _ = _bounded(reference, tiny_model, tmp_path)
+    command = [sys.executable, "-m", "console.cli", "run", str(_run_file(config, tmp_path)), "--no-tui"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for kill_after in (4, 12):  # shards trained on (and deleted) when the whole run is SIGKILLed
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while proc.poll() is None and len(_consumed(config.features_dir)) < kill_after:
+                time.sleep(0.01)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed"
+        assert not _index(config.features_dir).get("complete")
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert _curve(config) == pytest.approx(reference[1], rel=1e-5, abs=1e-6)
+    assert _index(config.features_dir)["complete"]
+
+
+def _consumed(features: Path) -> list[str]:
+    try:
+        return json.loads((features / "consumed.json").read_text())["shards"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def test_a_cache_bound_needs_a_single_epoch_following_train(tmp_path, tiny_model):
+    with pytest.raises(ConfigError, match="max_cache_gb"):
+        ml_config(tmp_path, tiny_model, extract={"max_cache_gb": 1.0}, train={"epochs": 1})
+    with pytest.raises(ConfigError, match="max_cache_gb"):
+        ml_config(tmp_path, tiny_model, extract={"max_cache_gb": 1.0}, train={"epochs": 2, "overlap_extract": True})
+    ml_config(tmp_path, tiny_model, extract={"max_cache_gb": 1.0}, train={"epochs": 1, "overlap_extract": True})
