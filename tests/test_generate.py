@@ -348,14 +348,14 @@ async def test_headless_lines_are_timestamped_short_and_only_what_changed(tmp_pa
 async def test_retries_are_counted_per_dataset_not_logged_one_by_one(tmp_path, fault_server):
     source = write_jsonl(tmp_path / "a.jsonl", prompts(30, "[[fault:500x2]] [[tokens:3]]", prefix="digest"))
     config = make_config(
-        tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}], retry_log_interval_s=0.2
+        tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}], retry_log_interval_s=1.0
     )
     engine = Engine(config)
     sub = engine.subscribe()
     assert (await engine.run()).ok
     warnings = [e.message for e in [e async for e in sub] if isinstance(e, LogEvent) and e.level == "warning"]
-    digests = [m for m in warnings if " in 0.2s (A " in m]
-    assert digests and len(digests) < 20  # 60 retries, a few lines
+    digests = [m for m in warnings if " in 1s (A " in m]
+    assert digests and len(digests) < 20  # 60 retries, a few lines (however slow a loaded machine makes the run)
     assert all("HTTP 500 x" in m and "from http://127.0.0.1" in m and "e.g. digest" in m for m in digests)
     assert sum(int(m.split(" ", 1)[0]) for m in digests) == 60
 
