@@ -336,7 +336,10 @@ class RunConfig:
 
     def secrets(self) -> list[str]:
         """Every API key value this run can send, for redaction."""
-        return [key for ep in self.endpoints if (key := ep.api_key())]
+        keys = [key for ep in self.endpoints if (key := ep.api_key())]
+        if self.train.wandb_project and (wandb_key := os.environ.get("WANDB_API_KEY")):
+            keys.append(wandb_key)
+        return keys
 
 
 def load_run(path: str | os.PathLike[str]) -> RunConfig:

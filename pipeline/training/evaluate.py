@@ -21,7 +21,7 @@ from pipeline.training.artifacts import EvalResult, FeaturesIndex
 from pipeline.training.context import StageContext
 from pipeline.training.drafter import Eagle3Drafter, build_drafter, load_exported
 from pipeline.training.target import head_and_embeddings, load_target, require_target
-from pipeline.training.tracking import TensorBoardWriter
+from pipeline.training.tracking import Trackers
 
 __all__ = ["evaluate", "speculative_generate"]
 
@@ -127,11 +127,11 @@ def _report_acceptance(config: RunConfig, result: EvalResult) -> None:
     """Beside the training curves: acceptance at the step the drafter was trained to."""
     history = config.train_dir / "history.jsonl"
     step = sum(1 for _ in open(history)) if history.exists() else 0
-    writer = TensorBoardWriter(config.train_dir / "tensorboard")
+    trackers = Trackers(config.train_dir, wandb_project=config.train.wandb_project, run_name=config.name)
     try:
-        writer.scalars(step, {"eval/acceptance_length": result.acceptance_length})
+        trackers.log(step, {"eval/acceptance_length": result.acceptance_length})
     finally:
-        writer.close()
+        trackers.close()
 
 
 def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False, backend: str | None = None) -> EvalResult:

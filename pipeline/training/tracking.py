@@ -98,18 +98,16 @@ class TensorBoardWriter:
 
 
 class Trackers:
-    """Every configured tracker; ``log`` takes a train record (lists become one scalar per TTT step)."""
+    """Every configured tracker; ``log`` takes a train record (lists become one scalar per TTT step).
+
+    The wandb run's id is kept in ``wandb-run-id`` beside the event files, so a resumed train
+    and the eval after it add to the same run instead of starting new ones."""
 
     def __init__(self, directory: Path, *, wandb_project: str = "", run_name: str = "", config: dict[str, Any] | None = None):
         self.tensorboard = TensorBoardWriter(directory / "tensorboard")
         self.wandb: Any = None
         if wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                raise ConfigError("[train] wandb_project is set but wandb is not installed: pip install wandb") from None
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-            self.wandb = wandb.init(project=wandb_project, name=run_name or None, dir=str(directory), mode=mode, config=config or {})
+            self.wandb = _wandb_run(directory, wandb_project, run_name, config or {})
 
     @staticmethod
     def flatten(record: dict[str, Any]) -> dict[str, float]:
@@ -133,3 +131,21 @@ class Trackers:
         self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _wandb_run(directory: Path, project: str, run_name: str, config: dict[str, Any]) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("[train] wandb_project is set but wandb is not installed: pip install wandb") from None
+    id_file = directory / "wandb-run-id"
+    if not id_file.exists():
+        id_file.write_text(os.urandom(6).hex() + "\n")
+    run_id = id_file.read_text().strip()
+    # a mode the user set wins; otherwise online only with a key to go online with
+    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    # silent and no console capture: wandb's lines would tear the console's screen
+    settings = wandb.Settings(silent=True, console="off")
+    return wandb.init(
+        project=project, name=run_name or None, id=run_id, resume="allow", dir=str(directory), mode=mode, config=config, settings=settings
+    )
