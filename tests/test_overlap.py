@@ -158,3 +158,49 @@ def test_a_cache_bound_needs_a_single_epoch_following_train(tmp_path, tiny_model
     with pytest.raises(ConfigError, match="max_cache_gb"):
         ml_config(tmp_path, tiny_model, extract={"max_cache_gb": 1.0}, train={"epochs": 2, "overlap_extract": True})
     ml_config(tmp_path, tiny_model, extract={"max_cache_gb": 1.0}, train={"epochs": 1, "overlap_extract": True})
+
+
+@pytest.mark.slow
+def test_a_two_rank_torchrun_train_follows_an_extract_process(reference, tiny_model, tmp_path_factory):
+    """The multi-node recipe on one machine: `eagleops extract` in one process, a two-rank gloo
+    torchrun train following it within the bound; the same curve as after a finished extract."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+    def torchrun_train(run: Path) -> subprocess.Popen:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "console.cli", "train"]
+        return subprocess.Popen(
+            [*command, str(run)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+
+    def finish(proc: subprocess.Popen) -> None:
+        try:
+            out, _ = proc.communicate(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.returncode == 0, out[-4000:]
+
+    after = tmp_path_factory.mktemp("after")
+    shutil.copytree(reference[0] / "data", after / "data")
+    shutil.copytree(reference[0] / "out" / "prepared", after / "out" / "prepared")
+    shutil.copytree(reference[0] / "out" / "features", after / "out" / "features")
+    finish(torchrun_train(_run_file(ml_config(after, tiny_model, extract=EXTRACT, train=TRAIN), after)))
+
+    following = tmp_path_factory.mktemp("following")
+    config, bound_gb = _bounded(reference, tiny_model, following)
+    run = _run_file(config, following)
+    watch = DiskWatch(config.features_dir)
+    watch.start()
+    try:
+        extract = subprocess.Popen(
+            [sys.executable, "-m", "console.cli", "extract", str(run), "--no-tui"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        train = torchrun_train(run)
+        finish(train)
+        finish(extract)
+    finally:
+        watch.done.set()
+        watch.join()
+    assert watch.overlapped and 0 < watch.peak <= bound_gb * 1e9, (watch.peak, bound_gb * 1e9)
+    assert _curve(config) == pytest.approx(_curve(ml_config(after, tiny_model)), rel=1e-5, abs=1e-6)
