@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.engine import Engine
 from pipeline.errors import ConfigError
-from pipeline.protocol.events import StageStatus
+from pipeline.protocol.events import LogEvent, StageStatus
 
 from .conftest import ml_config, run_stage
 
@@ -103,6 +103,27 @@ def test_train_follows_extract_within_the_cache_bound_on_the_same_curve(referenc
     assert consumed["finished"] and len(consumed["shards"]) >= len(shards) - 1
     assert not any((config.features_dir / name).exists() for name in consumed["shards"])
     assert _index(config.features_dir)["complete"]
+
+
+@pytest.mark.slow
+def test_a_train_that_ends_early_stops_a_bounded_extract_and_a_longer_one_resumes_both(reference, tiny_model, tmp_path):
+    config, _ = _bounded(reference, tiny_model, tmp_path)
+    short = dataclasses.replace(config, train=dataclasses.replace(config.train, max_steps=30))
+    engine = Engine(short)
+    events = engine.subscribe()
+    summary = asyncio.run(engine.run())
+    assert summary.stages["extract"] == StageStatus.DONE and summary.stages["train"] == StageStatus.DONE
+    logs = [e.message for e in asyncio.run(_drain(events)) if isinstance(e, LogEvent)]
+    assert any("train has finished and the cache is full" in m for m in logs), logs
+    assert not _index(config.features_dir).get("complete")
+    # more steps: the "finished" of the short train must not stop this extract
+    summary = asyncio.run(Engine(config).run())
+    assert summary.stages["train"] == StageStatus.DONE and _index(config.features_dir)["complete"]
+    assert len(_curve(config)) == len(reference[1])
+
+
+async def _drain(subscription) -> list:
+    return [event async for event in subscription]
 
 
 def _toml(value: object) -> str:

@@ -37,6 +37,7 @@ class StageContext:
         self.metrics_log: list[dict[str, Any]] = []
         self.logs: list[tuple[str, str]] = []
         self._started = time.monotonic()
+        self.started_at = time.time()  # wall clock: compared with files' mtimes
         self._last_progress = 0.0
 
     # ---- control (any thread) -----------------------------------------------------------------

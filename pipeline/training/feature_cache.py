@@ -64,6 +64,7 @@ class ConsumedShards:
     prepared: str
     shards: list[str] = field(default_factory=list)
     finished: bool = False  # that train ended: nobody frees room any more
+    written_at: float = 0.0  # the file's mtime: a "finished" from before an extract started is stale
 
     @classmethod
     def read(cls, directory: Path, prepared: str) -> ConsumedShards:
@@ -72,6 +73,7 @@ class ConsumedShards:
         try:
             data = json.loads((directory / CONSUMED).read_text())
             found = cls(data["prepared"], list(data["shards"]), bool(data.get("finished", False)))
+            found.written_at = (directory / CONSUMED).stat().st_mtime
         except (OSError, ValueError, KeyError, TypeError):
             return cls(prepared)
         return found if found.prepared == prepared else cls(prepared)
@@ -97,10 +99,10 @@ def release_consumed(directory: Path, index: FeaturesIndex, samples_done: int, *
     consumed = ConsumedShards.read(directory, index.prepared)
     done = set(consumed.shards)
     fresh = [name for name, shard in index.ordered_shards() if shard.first_sample + shard.samples <= samples_done and name not in done]
-    if not fresh and not (finished and not consumed.finished):
+    if not fresh and not finished and not consumed.finished:
         return []
     consumed.shards += fresh
-    consumed.finished = consumed.finished or finished
+    consumed.finished = finished  # a train running again (more steps) is not finished any more
     consumed.write(directory)
     for name in consumed.shards:  # also any a kill left behind after recording it
         with contextlib.suppress(FileNotFoundError):
@@ -156,7 +158,7 @@ def room_for_shard(config: Any, index: FeaturesIndex, ctx: Any) -> bool:
         live = live_bytes(directory, index, consumed)
         if live == 0 or live + largest <= max_bytes:
             return True
-        if consumed.finished:
+        if consumed.finished and consumed.written_at >= ctx.started_at:
             ctx.log("info", f"extract: stopped at {len(index.shards)} shards: train has finished and the cache is full")
             return False
         if _train_stalled(directory, index.shards):
