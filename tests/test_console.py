@@ -723,7 +723,9 @@ async def test_enter_shows_a_datasets_detail_from_the_engine(tmp_path, fault_ser
     server = await engine.serve_socket()
     app = EagleOpsApp(LocalLink(engine), refresh_s=0.1)
     async with app.run_test(size=(80, 24)) as pilot:
-        await _until(pilot, lambda: "A" in app.state.datasets and app.state.datasets["A"].state.terminal, tries=1200)
+        # the table selects a row once it has drawn one (its refresh timer), not when the state has it
+        finished = lambda: "A" in app.state.datasets and app.state.datasets["A"].state.terminal  # noqa: E731
+        await _until(pilot, lambda: finished() and app.query_one(DatasetsTable).selected == "A", tries=1200)
         assert app.state.datasets["A"].state.terminal
         await pilot.press("enter")
         await _until(pilot, lambda: isinstance(app.screen, DetailScreen), tries=1200)
