@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.engine import Engine
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, RunError
 from pipeline.protocol.events import LogEvent, StageStatus
 
 from .conftest import ml_config, run_stage
@@ -76,12 +76,12 @@ def reference(generated, tiny_model, tmp_path_factory) -> tuple[Path, list[float
     return folder, _curve(config), largest
 
 
-def _bounded(reference, tiny_model, folder: Path) -> tuple[object, float]:
+def _bounded(reference, tiny_model, folder: Path, **train) -> tuple[object, float]:
     shutil.copytree(reference[0] / "data", folder / "data")
     shutil.copytree(reference[0] / "out" / "prepared", folder / "out" / "prepared")
     bound_gb = 3 * reference[2] / 1e9  # three shards of a dozen samples
     extract = {**EXTRACT, "max_cache_gb": bound_gb}
-    return ml_config(folder, tiny_model, extract=extract, train=TRAIN, stages=["extract", "train"]), bound_gb
+    return ml_config(folder, tiny_model, extract=extract, train={**TRAIN, **train}, stages=["extract", "train"]), bound_gb
 
 
 @pytest.mark.slow
@@ -100,7 +100,7 @@ def test_train_follows_extract_within_the_cache_bound_on_the_same_curve(referenc
     assert _curve(config) == pytest.approx(reference[1], rel=1e-5, abs=1e-6)
     consumed = json.loads((config.features_dir / "consumed.json").read_text())
     shards = _index(config.features_dir)["shards"]
-    assert consumed["finished"] and len(consumed["shards"]) >= len(shards) - 1
+    assert consumed["finished_under"] == _index(config.features_dir)["run_token"] and len(consumed["shards"]) >= len(shards) - 1
     assert not any((config.features_dir / name).exists() for name in consumed["shards"])
     assert _index(config.features_dir)["complete"]
 
@@ -182,9 +182,9 @@ def test_a_cache_bound_needs_a_single_epoch_following_train(tmp_path, tiny_model
 
 
 @pytest.mark.slow
-def test_a_two_rank_torchrun_train_follows_an_extract_process(reference, tiny_model, tmp_path_factory):
+def test_a_two_rank_fsdp_train_follows_an_extract_process(reference, tiny_model, tmp_path_factory):
     """The multi-node recipe on one machine: `eagleops extract` in one process, a two-rank gloo
-    torchrun train following it within the bound; the same curve as after a finished extract."""
+    torchrun FSDP train following it within the bound; the same curve as after a finished extract."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
     def torchrun_train(run: Path) -> subprocess.Popen:
@@ -205,10 +205,11 @@ def test_a_two_rank_torchrun_train_follows_an_extract_process(reference, tiny_mo
     shutil.copytree(reference[0] / "data", after / "data")
     shutil.copytree(reference[0] / "out" / "prepared", after / "out" / "prepared")
     shutil.copytree(reference[0] / "out" / "features", after / "out" / "features")
-    finish(torchrun_train(_run_file(ml_config(after, tiny_model, extract=EXTRACT, train=TRAIN), after)))
+    # FSDP: saving is collective there, so every rank must decide alike when a finished shard saves
+    finish(torchrun_train(_run_file(ml_config(after, tiny_model, extract=EXTRACT, train={**TRAIN, "parallel": "fsdp"}), after)))
 
     following = tmp_path_factory.mktemp("following")
-    config, bound_gb = _bounded(reference, tiny_model, following)
+    config, bound_gb = _bounded(reference, tiny_model, following, parallel="fsdp")
     run = _run_file(config, following)
     watch = DiskWatch(config.features_dir)
     watch.start()
@@ -225,3 +226,21 @@ def test_a_two_rank_torchrun_train_follows_an_extract_process(reference, tiny_mo
         watch.join()
     assert watch.overlapped and 0 < watch.peak <= bound_gb * 1e9, (watch.peak, bound_gb * 1e9)
     assert _curve(config) == pytest.approx(_curve(ml_config(after, tiny_model)), rel=1e-5, abs=1e-6)
+
+
+def test_a_following_train_takes_no_index_of_other_features(tmp_path):
+    from pipeline.training.artifacts import FeaturesIndex
+    from pipeline.training.context import StageKilled
+    from pipeline.training.features import FeatureShards
+
+    from .conftest import KillAt
+
+    old = FeaturesIndex("prep", [1, 2, 3], 64, 6, "m", storage="bf16", samples=10, shard_samples=4)
+    old.write(tmp_path)
+    with pytest.raises(StageKilled):  # it waits for the index of the fp8 features being made, never takes this one
+        FeatureShards(tmp_path, follow=KillAt("train", 3), layout=("prep", (1, 2, 3), "fp8", 4))
+    features = FeatureShards(tmp_path, follow=KillAt("train", 3), layout=("prep", (1, 2, 3), "bf16", 4))
+    assert len(features) == 10 and features.waiting_for is None
+    FeaturesIndex("prep", [1, 2, 3], 64, 6, "m", storage="fp8", samples=10, shard_samples=4).write(tmp_path)
+    with pytest.raises(RunError, match="started over"):  # extract began other features under it
+        features.wait_for(9)

@@ -42,6 +42,8 @@ class EngineStages:
             from pipeline.training.stages import import_for_concurrent_stages
 
             await asyncio.to_thread(import_for_concurrent_stages)
+            if self._killed:  # a kill during the import found no stage to stop
+                return
         tasks = {asyncio.create_task(self._compute_stage(name), name=f"stage {name}"): name for name in names}
         pending = set(tasks)
         while pending:
@@ -58,6 +60,8 @@ class EngineStages:
         loop = asyncio.get_running_loop()
         ctx = StageContext(name, lambda event: loop.call_soon_threadsafe(self.publish, event))
         self._stage_ctxs[name] = ctx
+        if self._killed:
+            ctx.kill()
         self._set_stage(name, StageStatus.RUNNING)
         try:
             result = await asyncio.to_thread(stage_functions()[name], self.config, ctx)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import RunError
-from pipeline.files import write_json_atomic
+from pipeline.files import fsync_dir, write_json_atomic
 
 __all__ = [
     "Checkpoint",
@@ -125,6 +125,7 @@ class FeaturesIndex:
     samples: int | None = None  # every prepared sample, extracted or not yet: a following train knows its length
     shard_samples: int | None = None  # shard k holds samples [k * shard_samples, (k + 1) * shard_samples)
     complete: bool = False  # extract wrote its last shard
+    run_token: str = ""  # new each time an extract starts: a train's "finished" names the extract it ended under
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -172,14 +173,19 @@ class Checkpoint:
     history: list[dict[str, Any]]
     aux_layers: list[int]
     drafter_config: dict[str, Any]
+    global_batch: int = 0  # samples a step, all ranks: a following train resumes at step x this
 
     def save(self, path: Path) -> None:
         import torch
 
         tmp = path.with_name(path.name + ".tmp")
         # not asdict: it deep-copies every tensor of the optimiser state
-        torch.save({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, tmp)
+        with open(tmp, "wb") as out:
+            torch.save({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, out)
+            out.flush()
+            os.fsync(out.fileno())  # durable before anything acts on it (a bounded train deletes shards next)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
 
     @classmethod
     def load(cls, path: Path, map_location: Any = "cpu") -> Checkpoint:
@@ -188,7 +194,7 @@ class Checkpoint:
         if not path.exists():
             raise RunError(f"{path}: no checkpoint; run train first")
         state = torch.load(path, map_location=map_location, weights_only=False)
-        return cls(**{f.name: state[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: state[f.name] for f in dataclasses.fields(cls) if f.name in state})
 
 
 @dataclass(frozen=True)

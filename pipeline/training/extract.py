@@ -21,9 +21,9 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext
-from pipeline.training.feature_cache import room_for_shard
+from pipeline.training.feature_cache import StallWatch, room_for_shard
 from pipeline.training.features import ExtractRates, extract_metrics, open_features_index, shards_to_do, write_feature_shard
-from pipeline.training.target import load_target, require_target
+from pipeline.training.target import load_target, require_target, target_shape
 
 __all__ = ["extract", "forward_features", "length_batches", "pad_batch"]
 
@@ -116,21 +116,22 @@ def extract(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     prepared, samples = load_prepared(config.prepared_dir)
     out = config.features_dir
     out.mkdir(parents=True, exist_ok=True)
+    index = open_features_index(config, prepared, *target_shape(config))  # before the model loads (minutes, at scale)
     model, device, _ = load_target(target)
-    index = open_features_index(config, prepared, model.config.num_hidden_layers, model.config.hidden_size)
     per = config.extract.shard_samples
     rates = ExtractRates(time.monotonic())
     done_tokens = index.tokens
     # Shards are written by one background thread while the next one computes; at most one write
     # is in flight, and a shard enters the index only once renamed into place.
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
+    stalls = StallWatch(out)
     pending: Future[None] | None = None
     try:
         for first, name in shards_to_do(index, out, len(samples), per):
             ctx.checkpoint()
             if config.extract.max_cache_gb and pending is not None:
                 pending.result()  # the shard in flight counts against the bound
-            if not room_for_shard(config, index, ctx):
+            if not room_for_shard(config, index, ctx, stalls):
                 break
             chunk = samples[first : first + per]
             offsets, aux, final = _compute_shard(model, device, chunk, index, config, ctx, (done_tokens, prepared.tokens), rates)

@@ -38,6 +38,7 @@ __all__ = [
     "release_consumed",
     "result_when_stalled",
     "room_for_shard",
+    "StallWatch",
     "windowed_order",
 ]
 
@@ -63,8 +64,7 @@ class ConsumedShards:
 
     prepared: str
     shards: list[str] = field(default_factory=list)
-    finished: bool = False  # that train ended: nobody frees room any more
-    written_at: float = 0.0  # the file's mtime: a "finished" from before an extract started is stale
+    finished_under: str = ""  # the run token of the extract a train finished under: nobody frees room any more
 
     @classmethod
     def read(cls, directory: Path, prepared: str) -> ConsumedShards:
@@ -72,14 +72,13 @@ class ConsumedShards:
 
         try:
             data = json.loads((directory / CONSUMED).read_text())
-            found = cls(data["prepared"], list(data["shards"]), bool(data.get("finished", False)))
-            found.written_at = (directory / CONSUMED).stat().st_mtime
+            found = cls(data["prepared"], list(data["shards"]), str(data.get("finished_under", "")))
         except (OSError, ValueError, KeyError, TypeError):
             return cls(prepared)
         return found if found.prepared == prepared else cls(prepared)
 
     def write(self, directory: Path) -> None:
-        write_json_atomic(directory / CONSUMED, {"prepared": self.prepared, "shards": self.shards, "finished": self.finished})
+        write_json_atomic(directory / CONSUMED, {"prepared": self.prepared, "shards": self.shards, "finished_under": self.finished_under})
 
 
 def forget_consumed(directory: Path) -> None:
@@ -93,16 +92,21 @@ def live_bytes(directory: Path, index: FeaturesIndex, consumed: ConsumedShards) 
     return sum(shard.bytes for name, shard in index.shards.items() if name not in gone)
 
 
-def release_consumed(directory: Path, index: FeaturesIndex, samples_done: int, *, finished: bool = False) -> list[str]:
+def release_consumed(directory: Path, samples_done: int, *, finished: bool = False) -> list[str]:
     """After a checkpoint at ``samples_done`` samples into the (single) epoch: record every shard
-    wholly before it as consumed, then delete those files. Returns the names newly released."""
+    wholly before it as consumed, then delete those files. Returns the names newly released.
+    Reads the index afresh: it lists shards only other ranks have read, and the extract running now."""
+    index = FeaturesIndex.read(directory)
     consumed = ConsumedShards.read(directory, index.prepared)
     done = set(consumed.shards)
     fresh = [name for name, shard in index.ordered_shards() if shard.first_sample + shard.samples <= samples_done and name not in done]
-    if not fresh and not finished and not consumed.finished:
-        return []
+    finished_under = index.run_token if finished else ""
+    if not fresh and finished_under == consumed.finished_under:
+        leftovers = [name for name in consumed.shards if (directory / name).exists()]
+        if not leftovers:
+            return []
     consumed.shards += fresh
-    consumed.finished = finished  # a train running again (more steps) is not finished any more
+    consumed.finished_under = finished_under  # a train running again (more steps) is not finished any more
     consumed.write(directory)
     for name in consumed.shards:  # also any a kill left behind after recording it
         with contextlib.suppress(FileNotFoundError):
@@ -112,15 +116,18 @@ def release_consumed(directory: Path, index: FeaturesIndex, samples_done: int, *
 
 def result_when_stalled(future: Future[Any], directory: Path, rank: int, waiting_for: Callable[[], str | None]) -> Any:
     """``future.result()`` for the training loop. While it blocks on a shard (``waiting_for()``),
-    this rank's marker names it, refreshed every second (a killed rank's goes stale)."""
+    this rank's marker names it, with a count that changes every second: extract judges a marker
+    live by its content changing, on its own clock (mtimes on shared storage are another host's)."""
     if future.done():
         return future.result()
     marker = directory / WAITING / f"rank-{rank}"
     marker.parent.mkdir(exist_ok=True)
+    beat = 0
     try:
         while True:
             if (shard := waiting_for()) is not None:
-                marker.write_text(shard)
+                beat += 1
+                marker.write_text(f"{shard} {os.getpid()}.{beat}")
             try:
                 return future.result(timeout=1.0)
             except TimeoutError:
@@ -130,25 +137,40 @@ def result_when_stalled(future: Future[Any], directory: Path, rank: int, waiting
             marker.unlink()
 
 
-def _train_stalled(directory: Path, written: dict[str, Any]) -> bool:
-    """A rank's training loop waits on a shard not written yet (its reader may not have seen one
-    that just landed: that is no stall)."""
-    fresh_after = time.time() - 5.0
-    try:
-        entries = list(os.scandir(directory / WAITING))
-    except FileNotFoundError:
-        return False
-    for entry in entries:
-        with contextlib.suppress(OSError):
-            if entry.stat().st_mtime > fresh_after and Path(entry.path).read_text() not in written:
-                return True
-    return False
+class StallWatch:
+    """Extract's view of the training ranks' markers: a rank is stalled on an unwritten shard
+    when its marker names one and has changed within the last 5 s of this clock."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.seen: dict[str, tuple[str, float]] = {}  # marker -> (content, when it last changed)
+
+    def stalled(self, written: dict[str, Any]) -> bool:
+        now = time.monotonic()
+        try:
+            entries = list(os.scandir(self.directory / WAITING))
+        except FileNotFoundError:
+            return False
+        live = False
+        for entry in entries:
+            try:
+                content = Path(entry.path).read_text()
+            except OSError:
+                continue
+            before = self.seen.get(entry.name)
+            if before is None:
+                self.seen[entry.name] = (content, -1e9)  # first sight: live only once it changes
+            elif before[0] != content:
+                self.seen[entry.name] = (content, now)
+            changed_at = self.seen[entry.name][1]
+            live = live or (now - changed_at < 5.0 and content.split(" ", 1)[0] not in written)
+        return live
 
 
-def room_for_shard(config: Any, index: FeaturesIndex, ctx: Any) -> bool:
+def room_for_shard(config: Any, index: FeaturesIndex, ctx: Any, stalls: StallWatch) -> bool:
     """Before extract computes a shard: under ``extract.max_cache_gb``, block while one more
-    would pass the bound. False when the train it waits on has finished (nothing will free room:
-    extract stops there)."""
+    would pass the bound. False when a train has finished under this extract (nothing will free
+    room: extract stops there)."""
     if not config.extract.max_cache_gb:
         return True
     directory, max_bytes = config.features_dir, int(config.extract.max_cache_gb * 1e9)
@@ -158,10 +180,10 @@ def room_for_shard(config: Any, index: FeaturesIndex, ctx: Any) -> bool:
         live = live_bytes(directory, index, consumed)
         if live == 0 or live + largest <= max_bytes:
             return True
-        if consumed.finished and consumed.written_at >= ctx.started_at:
+        if consumed.finished_under and consumed.finished_under == index.run_token:
             ctx.log("info", f"extract: stopped at {len(index.shards)} shards: train has finished and the cache is full")
             return False
-        if _train_stalled(directory, index.shards):
+        if stalls.stalled(index.shards):
             _log_at_most_every_minute(
                 ctx,
                 "warning",

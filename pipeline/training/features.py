@@ -3,6 +3,7 @@ samples is first asked for, so training's step 1 does not wait for every file to
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ __all__ = [
     "extract_metrics",
     "from_fp8",
     "to_fp8",
+    "features_layout",
+    "index_layout",
     "open_features_index",
     "shard_name",
     "shards_to_do",
@@ -90,33 +93,38 @@ def from_fp8(codes: Any, scale: Any, dtype: Any) -> Any:
     return states.reshape(codes.shape[0], -1).to(dtype)
 
 
-def open_features_index(config: RunConfig, prepared: PreparedIndex, layers: int, hidden_size: int) -> FeaturesIndex:
-    """The index to resume from; a fresh one when the prepared data or the layers changed."""
+def features_layout(config: RunConfig, prepared: str, layers: int) -> tuple[str, tuple[int, ...], str, int]:
+    """What extract's features of ``prepared`` are for this run file: (prepared, aux layers,
+    storage, samples per shard). An index with another layout holds other features."""
     aux_layers = tuple(config.extract.aux_layers) if config.extract.aux_layers else eagle3_aux_layers(layers)
     if max(aux_layers) >= layers:
         raise ConfigError(f"{config.source}: extract.aux_layers {list(aux_layers)}: the target has only {layers} layers")
+    return prepared, aux_layers, config.extract.storage, config.extract.shard_samples
+
+
+def index_layout(index: FeaturesIndex) -> tuple[str, tuple[int, ...], str, int | None]:
+    return index.prepared, tuple(index.aux_layers), index.storage, index.shard_samples
+
+
+def open_features_index(config: RunConfig, prepared: PreparedIndex, layers: int, hidden_size: int) -> FeaturesIndex:
+    """The index to resume from; a fresh one when the prepared data or the layout changed.
+    Written at once (before any model loads): a train following this extract learns the layout
+    from it, and must not take an older index for this one."""
+    layout = features_layout(config, prepared.fingerprint, layers)
     index = FeaturesIndex.read_if_present(config.features_dir)
-    storage, per = config.extract.storage, config.extract.shard_samples
-    same = (prepared.fingerprint, aux_layers, storage, per)
-    if index is not None and (index.prepared, tuple(index.aux_layers), index.storage, index.shard_samples or per) == same:
-        index.samples, index.shard_samples = prepared.samples, per  # an index from before they were recorded
-        return index
-    target = require_target(config)
-    fresh = FeaturesIndex(
-        prepared.fingerprint,
-        list(aux_layers),
-        hidden_size,
-        layers,
-        str(target.model),
-        storage=storage,
-        samples=prepared.samples,
-        shard_samples=per,
-    )
-    # written before the first shard: a train following this extract learns the layout from it, and
-    # the trained-on record of older features must not carry over to these
-    forget_consumed(config.features_dir)
-    fresh.write(config.features_dir)
-    return fresh
+    if index is not None and index.shard_samples is None:  # an index from before the layout was recorded
+        index.shard_samples = layout[3]
+    if index is None or index_layout(index) != layout:
+        target = require_target(config)
+        index = FeaturesIndex(prepared.fingerprint, list(layout[1]), hidden_size, layers, str(target.model), storage=layout[2])
+        index.shard_samples = layout[3]
+        forget_consumed(config.features_dir)  # the trained-on record of older features
+    elif not config.extract.max_cache_gb:
+        forget_consumed(config.features_dir)  # unbounded: shards a bounded train deleted are made again
+    index.samples = prepared.samples
+    index.run_token = os.urandom(8).hex()
+    index.write(config.features_dir)
+    return index
 
 
 @dataclass
@@ -152,12 +160,12 @@ class FeatureShards:
     Following an extract that is still writing (``follow``: the stage context), the layout comes
     from the index extract writes first, and a sample whose shard is not written yet waits for it."""
 
-    def __init__(self, directory: Path, *, follow: Any = None, prepared: str = ""):
+    def __init__(self, directory: Path, *, follow: Any = None, layout: tuple[Any, ...] = ()):
         self.directory = directory
         self.follow = follow
         self.waiting_for: str | None = None  # the shard a following read waits on, if any
         self._logged_wait = -1e9
-        self.index = self._following_index(prepared) if follow is not None else FeaturesIndex.read(directory)
+        self.index = self._following_index(layout) if follow is not None else FeaturesIndex.read(directory)
         self.entries: list[tuple[str, int]] = []  # (shard file, position in shard) per sample
         if follow is None:
             for name, shard in self.index.ordered_shards():
@@ -165,13 +173,22 @@ class FeatureShards:
         self._open: dict[str, Any] = {}
         self._offsets: dict[str, list[int]] = {}
 
-    def _following_index(self, prepared: str) -> FeaturesIndex:
-        """The index of the features of ``prepared``, once extract has written it."""
+    def _following_index(self, layout: tuple[Any, ...]) -> FeaturesIndex:
+        """The index of the features this run file makes, once extract has written it."""
         while True:
             index = FeaturesIndex.read_if_present(self.directory)
-            if index is not None and index.prepared == prepared and index.samples is not None and index.shard_samples:
+            if index is not None and index_layout(index) == layout and index.samples is not None:
+                self.waiting_for = None
                 return index
             self._wait("index.json")
+
+    def _reread(self) -> None:
+        index = FeaturesIndex.read_if_present(self.directory)
+        if index is None:
+            return
+        if index_layout(index) != index_layout(self.index):
+            raise RunError(f"{self.directory}: extract started over with other features under this train; train again")
+        self.index = index
 
     def _wait(self, what: str) -> None:
         if self.waiting_for is None and time.monotonic() - self._logged_wait > 60:  # not a line per shard
@@ -193,18 +210,23 @@ class FeatureShards:
             return self.entries[i]
         k, j = divmod(i, self.per_shard)
         name = shard_name(k)
-        while name not in self.index.shards:
-            if self.index.complete:
+        while name not in self.index.shards or not (self.directory / name).exists():
+            if name in self.index.shards and name in ConsumedShards.read(self.directory, self.index.prepared).shards:
+                raise RunError(
+                    f"{self.directory / name}: deleted after a train checkpointed past it (extract.max_cache_gb); "
+                    f"to train again from the start, delete {self.directory / 'consumed.json'} and extract again"
+                )
+            if self.index.complete and name not in self.index.shards:
                 raise RunError(f"{self.directory}: {name} is not in the index though extract has finished")
-            self._wait(name)
-            self.index = FeaturesIndex.read_if_present(self.directory) or self.index
+            self._wait(name)  # not listed yet, or listed and not visible yet (shared storage lags)
+            self._reread()
         self.waiting_for = None
-        if not (self.directory / name).exists():
-            raise RunError(
-                f"{self.directory / name}: deleted after a train checkpointed past it (extract.max_cache_gb); "
-                f"to train again from the start, delete {self.directory / 'consumed.json'} and extract again"
-            )
         return name, j
+
+    def wait_for(self, i: int) -> None:
+        """Block until sample ``i`` can be read (following extract)."""
+        if self.follow is not None:
+            self._locate(i)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -214,8 +236,12 @@ class FeatureShards:
         from safetensors import safe_open
 
         if name not in self._open:
-            if len(self._open) > 8:
-                self._open.pop(next(iter(self._open)))
+            # following, reads go shard by shard: holding only the newest two lets a deleted
+            # shard's disk space go (an open map keeps an unlinked file's blocks)
+            if len(self._open) > (1 if self.follow is not None else 8):
+                dropped = next(iter(self._open))
+                self._open.pop(dropped)
+                self._offsets.pop(dropped, None)
             handle = safe_open(str(self.directory / name), framework="pt")
             self._open[name] = handle
             self._offsets[name] = handle.get_tensor("offsets").tolist()

@@ -23,9 +23,9 @@ from pipeline.servers import vllm_capture
 from pipeline.servers.vllm import complete_ids, launch_for, vllm_server
 from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext, serving
-from pipeline.training.feature_cache import room_for_shard
+from pipeline.training.feature_cache import StallWatch, room_for_shard
 from pipeline.training.features import ExtractRates, extract_metrics, open_features_index, shards_to_do, write_feature_shard
-from pipeline.training.target import require_target
+from pipeline.training.target import target_shape
 
 __all__ = ["extract_served"]
 
@@ -37,14 +37,6 @@ def _rpc(base_url: str, method: str, *args: str) -> list[Any]:
     request = urllib.request.Request(f"{base_url}/collective_rpc", data=body, headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(request, timeout=600) as response:
         return list(json.loads(response.read())["results"])
-
-
-def _target_shape(config: RunConfig) -> tuple[int, int]:
-    from transformers import AutoConfig
-
-    loaded = AutoConfig.from_pretrained(str(require_target(config).model))
-    text = getattr(loaded, "text_config", None) or loaded
-    return int(text.num_hidden_layers), int(text.hidden_size)
 
 
 def _capture_server(config: RunConfig, ctx: StageContext) -> Any:
@@ -99,16 +91,17 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     prepared, samples = load_prepared(config.prepared_dir)
     out = config.features_dir
     out.mkdir(parents=True, exist_ok=True)
-    index = open_features_index(config, prepared, *_target_shape(config))
+    index = open_features_index(config, prepared, *target_shape(config))
     per = config.extract.shard_samples
     rates = ExtractRates(time.monotonic())
+    stalls = StallWatch(out)
     launch, server = _capture_server(config, ctx)
     with serving(server, ctx):
         ctx.log("info", f"extract: capturing layers {index.aux_layers} + final through vLLM on {server.base_url}")
         _rpc(server.base_url, "eagleops_capture_start", json.dumps(index.aux_layers))
         for first, name in shards_to_do(index, out, len(samples), per):
             ctx.checkpoint()
-            if not room_for_shard(config, index, ctx):
+            if not room_for_shard(config, index, ctx, stalls):
                 break
             chunk = samples[first : first + per]
             t0 = time.perf_counter()

@@ -10,7 +10,7 @@ from typing import Any
 from pipeline.config import RunConfig, TargetConfig
 from pipeline.errors import ConfigError, InputError
 
-__all__ = ["head_and_embeddings", "load_target", "load_target_tensors", "pick_device", "require_target"]
+__all__ = ["head_and_embeddings", "load_target", "load_target_tensors", "pick_device", "require_target", "target_shape"]
 
 
 def require_target(config: RunConfig) -> TargetConfig:
@@ -81,3 +81,12 @@ def head_and_embeddings(model_dir: Path) -> tuple[Any, Any]:
     if embed is None:
         raise InputError(f"{model_dir}: no embed_tokens weight in its safetensors")
     return tensors.get("lm_head.weight", embed), embed
+
+
+def target_shape(config: RunConfig) -> tuple[int, int]:
+    """(layers, hidden size) from the target's config.json, without loading the model."""
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(str(require_target(config).model))
+    text = getattr(loaded, "text_config", None) or loaded
+    return int(text.num_hidden_layers), int(text.hidden_size)

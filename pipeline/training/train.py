@@ -29,12 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.config import RunConfig
+from pipeline.errors import ConfigError
 from pipeline.training.artifacts import Checkpoint, PreparedIndex, TrainResult
 from pipeline.training.context import StageContext, StageKilled
 from pipeline.training.drafter import DraftCache, Eagle3Drafter, build_drafter
 from pipeline.training.feature_cache import release_consumed, result_when_stalled, windowed_order
-from pipeline.training.features import FeatureShards
-from pipeline.training.target import head_and_embeddings, pick_device, require_target
+from pipeline.training.features import FeatureShards, features_layout
+from pipeline.training.target import head_and_embeddings, pick_device, require_target, target_shape
 from pipeline.training.tracking import Trackers
 
 __all__ = ["Eagle3Objective", "target_top_and_draft_probs", "train"]
@@ -141,6 +142,12 @@ def _order(n: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
+def _layout_to_follow(config: RunConfig) -> tuple[Any, ...]:
+    """The features layout this run file's extract writes: a following train takes no other index."""
+    layers, _ = target_shape(config)
+    return features_layout(config, PreparedIndex.read(config.prepared_dir).fingerprint, layers)
+
+
 def _fully_shard(drafter: Eagle3Drafter) -> None:
     """FSDP2 over the drafter's trainable modules, each its own unit; the frozen embeddings stay
     whole on every rank. Units stay gathered through a step's forward: the mid layer runs once
@@ -176,7 +183,7 @@ class _Trainer:
         self.device = device
         self.follow = self.tc.overlap_extract
         self.features = (
-            FeatureShards(config.features_dir, follow=ctx, prepared=PreparedIndex.read(config.prepared_dir).fingerprint)
+            FeatureShards(config.features_dir, follow=ctx, layout=_layout_to_follow(config))
             if self.follow
             else FeatureShards(config.features_dir)
         )
@@ -241,9 +248,17 @@ class _Trainer:
             self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         self.step, self.history, self.saved_step = state.step, state.history, state.step
+        if self.follow and state.global_batch and state.global_batch != self.global_batch:
+            raise ConfigError(
+                f"{self.checkpoint_path}: saved at {state.global_batch} samples a step (batch_size x ranks), now "
+                f"{self.global_batch}: a following train's position in the data would not match; use as many ranks"
+            )
+        if self.cache_bound and self.rank == 0:  # shards recorded as trained on but not yet deleted when a kill came
+            release_consumed(self.config.features_dir, self.step * self.global_batch)
         self.ctx.log("info", f"train: resumed at step {self.step}/{self.total_steps}")
 
     def save(self, *, finished: bool = False) -> None:
+        self.saved_step = self.step  # on every rank: all of them decide alike when to save next
         if self.sharded:  # gathering the shards is collective: every rank takes part, rank 0 writes
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
@@ -255,11 +270,10 @@ class _Trainer:
         if self.rank != 0:
             return
         weights = {k: v for k, v in model_state.items() if not k.startswith("embed_tokens.")}
-        Checkpoint(weights, optimizer_state, self.scheduler.state_dict(), self.step, self.history,
-                   list(self.aux_layers), self.drafter.config.to_dict()).save(self.checkpoint_path)  # fmt: skip
-        self.saved_step = self.step
+        Checkpoint(weights, optimizer_state, self.scheduler.state_dict(), self.step, self.history, list(self.aux_layers),
+                   self.drafter.config.to_dict(), self.global_batch).save(self.checkpoint_path)  # fmt: skip
         if self.cache_bound:  # only once the checkpoint is past them: a resume never needs them again
-            released = release_consumed(self.config.features_dir, self.features.index, self.step * self.global_batch, finished=finished)
+            released = release_consumed(self.config.features_dir, self.step * self.global_batch, finished=finished)
             if released:
                 self.ctx.log("info", f"train: deleted {len(released)} trained-on shard(s) ({released[-1]} the last)")
 
@@ -284,10 +298,15 @@ class _Trainer:
         epoch, in_epoch = divmod(at, self.steps_per_epoch)
         order = self._epoch_order(epoch)
         if self.follow:
-            first = in_epoch * self.global_batch + self.rank * self.tc.batch_size
+            start = in_epoch * self.global_batch
+            # every rank waits for the whole global batch's shards here, not inside a collective
+            # while another rank waits for extract (a long wait there trips the NCCL watchdog)
+            self.features.wait_for(order[min(start + self.global_batch, self.n) - 1])
+            chunk = order[start + self.rank * self.tc.batch_size : start + (self.rank + 1) * self.tc.batch_size]
         else:
-            first = self.rank * self.per_rank + in_epoch * self.tc.batch_size
-        chunk = order[first : first + self.tc.batch_size]
+            chunk = order[self.rank * self.per_rank : (self.rank + 1) * self.per_rank][
+                in_epoch * self.tc.batch_size : (in_epoch + 1) * self.tc.batch_size
+            ]
         batch = _collate([self.features[i] for i in chunk], torch.device("cpu"), torch.float32)
         return {k: v.pin_memory() for k, v in batch.items()} if self.device.type == "cuda" else batch
 
