@@ -212,6 +212,7 @@ class _Trainer:
         self.steps_per_epoch = max(1, (self.n // self.global_batch) if self.follow else (self.per_rank // self.tc.batch_size))
         self.cache_bound = bool(config.extract.max_cache_gb) and self.follow
         self._order_cache: tuple[int, list[int]] = (-1, [])
+        self.released, self.released_logged = 0, -1e9  # trained-on shards deleted, when last said
         total = self.steps_per_epoch * self.tc.epochs
         self.total_steps = min(total, self.tc.max_steps) if self.tc.max_steps else total
         self.warmup = max(1, int(self.tc.warmup_ratio * self.total_steps)) if self.tc.warmup_ratio else 0
@@ -273,9 +274,10 @@ class _Trainer:
         Checkpoint(weights, optimizer_state, self.scheduler.state_dict(), self.step, self.history, list(self.aux_layers),
                    self.drafter.config.to_dict(), self.global_batch).save(self.checkpoint_path)  # fmt: skip
         if self.cache_bound:  # only once the checkpoint is past them: a resume never needs them again
-            released = release_consumed(self.config.features_dir, self.step * self.global_batch, finished=finished)
-            if released:
-                self.ctx.log("info", f"train: deleted {len(released)} trained-on shard(s) ({released[-1]} the last)")
+            self.released += len(release_consumed(self.config.features_dir, self.step * self.global_batch, finished=finished))
+            if self.released and (finished or time.monotonic() - self.released_logged > 60):  # a line a minute, not one a shard
+                self.ctx.log("info", f"train: {self.released} trained-on shards deleted so far (extract.max_cache_gb)")
+                self.released_logged = time.monotonic()
 
     def _frees_a_shard(self) -> bool:
         """Under a cache bound, a step that finishes a shard checkpoints, so the shard can go."""
