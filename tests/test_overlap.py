@@ -116,6 +116,10 @@ def test_a_train_that_ends_early_stops_a_bounded_extract_and_a_longer_one_resume
     logs = [e.message for e in asyncio.run(_drain(events)) if isinstance(e, LogEvent)]
     assert any("train has finished and the cache is full" in m for m in logs), logs
     assert not _index(config.features_dir).get("complete")
+    # the same again: the train, finished already, ends at once, perhaps before this extract has
+    # said who it is; the extract must still stop, not wait for room that will never come
+    summary = asyncio.run(Engine(short).run())
+    assert summary.stages["extract"] == StageStatus.DONE and summary.stages["train"] == StageStatus.DONE
     # more steps: the "finished" of the short train must not stop this extract
     summary = asyncio.run(Engine(config).run())
     assert summary.stages["train"] == StageStatus.DONE and _index(config.features_dir)["complete"]

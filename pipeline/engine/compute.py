@@ -37,7 +37,8 @@ class EngineStages:
 
     async def _compute_together(self: Engine, names: tuple[str, ...]) -> None:
         """Stages side by side; one that ends without finishing stops the others (a train
-        following a failed extract would wait for shards forever)."""
+        following a failed extract would wait for shards forever), one that finishes tells them
+        (an extract waiting for a finished train to free room stops)."""
         if len(names) > 1:
             from pipeline.training.stages import import_for_concurrent_stages
 
@@ -48,10 +49,14 @@ class EngineStages:
         pending = set(tasks)
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if any(self.stage_states[tasks[task]].status != StageStatus.DONE for task in done):
-                for task in pending:
-                    if (ctx := self._stage_ctxs.get(tasks[task])) is not None:
-                        ctx.kill()
+            failed = any(self.stage_states[tasks[task]].status != StageStatus.DONE for task in done)
+            for task in pending:
+                if (ctx := self._stage_ctxs.get(tasks[task])) is None:
+                    continue
+                if failed:
+                    ctx.kill()
+                else:
+                    ctx.partner_done.set()
 
     async def _compute_stage(self: Engine, name: str) -> None:
         """A torch stage in a worker thread; its events cross back to the loop thread-safely."""

@@ -34,6 +34,9 @@ class StageContext:
         self._running.set()
         self._killed = threading.Event()
         self._on_kill: list[Callable[[], None]] = []
+        # set when the stage running beside this one has finished (a train beside its extract):
+        # an extract waiting for that train to free room stops waiting
+        self.partner_done = threading.Event()
         self.metrics_log: list[dict[str, Any]] = []
         self.logs: list[tuple[str, str]] = []
         self._started = time.monotonic()

@@ -180,7 +180,7 @@ def room_for_shard(config: Any, index: FeaturesIndex, ctx: Any, stalls: StallWat
         live = live_bytes(directory, index, consumed)
         if live == 0 or live + largest <= max_bytes:
             return True
-        if consumed.finished_under and consumed.finished_under == index.run_token:
+        if ctx.partner_done.is_set() or (consumed.finished_under and consumed.finished_under == index.run_token):
             ctx.log("info", f"extract: stopped at {len(index.shards)} shards: train has finished and the cache is full")
             return False
         if stalls.stalled(index.shards):
