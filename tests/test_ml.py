@@ -197,6 +197,7 @@ def test_train_resumes_from_a_checkpoint_on_the_same_loss_curve(workdir, tiny_mo
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # several torchrun jobs: a loaded 2-core machine runs them 4x slower
 def test_torchrun_two_processes_on_cpu(workdir, tiny_model):
     config = _config(workdir, tiny_model, train={"max_steps": 12, "checkpoint_every": 6})
     _stage(config, "prepare")
@@ -365,6 +366,7 @@ def test_the_gpu_check_runs_here_on_a_cpu_at_tiny_size():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # several torchrun jobs: a loaded 2-core machine runs them 4x slower
 def test_fsdp_two_processes_match_ddp_and_resume_on_the_same_curve(workdir, tiny_model, tmp_path_factory):
     import signal
     import time

@@ -149,6 +149,7 @@ def _run_file(config, folder: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # several torchrun jobs: a loaded 2-core machine runs them 4x slower
 def test_a_bounded_overlap_killed_9_resumes_on_the_same_curve(reference, tiny_model, tmp_path):
     config, _ = _bounded(reference, tiny_model, tmp_path)
     command = [sys.executable, "-m", "console.cli", "run", str(_run_file(config, tmp_path)), "--no-tui"]
@@ -186,6 +187,7 @@ def test_a_cache_bound_needs_a_single_epoch_following_train(tmp_path, tiny_model
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # several torchrun jobs: a loaded 2-core machine runs them 4x slower
 def test_a_two_rank_fsdp_train_follows_an_extract_process(reference, tiny_model, tmp_path_factory):
     """The multi-node recipe on one machine: `eagleops extract` in one process, a two-rank gloo
     torchrun FSDP train following it within the bound; the same curve as after a finished extract."""
