@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import aiohttp
 
 from pipeline.protocol.events import GpuStats, HostStats, ServerMetrics
+from pipeline.servers.metrics import parse_prometheus
 
 if TYPE_CHECKING:
     from pipeline.engine.engine import Engine
@@ -162,26 +162,6 @@ def read_host() -> HostStats:
     return HostStats(cpu_percent=psutil.cpu_percent(interval=None), mem_used=int(mem.used), mem_total=int(mem.total))
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Metric name -> value, summed over label sets (one server may report per-engine series)."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if not match:
-            continue
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            continue
-        values[match.group(1)] = values.get(match.group(1), 0.0) + value
-    return values
-
-
 @dataclass
 class _Previous:
     at: float
@@ -235,7 +215,7 @@ async def scrape_metrics(session: aiohttp.ClientSession, base_url: str) -> dict[
             if response.status != 200:
                 return None
             return parse_prometheus(await response.text())
-    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+    except (aiohttp.ClientError, TimeoutError, ValueError):  # ValueError: not UTF-8, or not Prometheus text
         return None
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.errors import ConfigError
+from pipeline.servers.metrics import parse_prometheus
 from pipeline.servers.supervisor import LOOPBACK, Log, SupervisedServer, checked_python
 
 __all__ = ["PYTHON_ENV", "VllmLaunch", "complete_ids", "launch_for", "read_metrics", "vllm_python", "vllm_server"]
@@ -84,20 +85,12 @@ def complete_ids(base_url: str, model: str, prompt: Sequence[int], max_tokens: i
     return list(choice.get("token_ids") or [])
 
 
-def read_metrics(base_url: str) -> dict[str, float]:
-    """``/metrics`` as {name or name{position=..}: value}, summed over other labels."""
+def read_metrics(base_url: str, model: str | None = None) -> dict[str, float]:
+    """``/metrics`` as {name or name[position]: value}: every other label summed over, or only
+    ``model``'s series where the server labels several."""
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
         text = response.read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name, _, labels = name_labels.partition("{")
-        position = next((part.split("=")[1].strip('"') for part in labels.rstrip("}").split(",") if part.startswith("position=")), None)
-        key = f"{name}[{position}]" if position is not None else name
-        values[key] = values.get(key, 0.0) + float(value)
-    return values
+    return {key: value for key, value in parse_prometheus(text, split_by="position", model=model).items() if key.startswith("vllm:")}
 
 
 def launch_for(config: RunConfig, *, speculative_config: dict[str, Any] | None = None) -> VllmLaunch:
