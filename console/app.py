@@ -8,6 +8,7 @@ import os
 import signal
 from collections.abc import Iterable
 from functools import partial
+from importlib import resources
 from pathlib import Path
 
 from textual import events
@@ -35,7 +36,6 @@ from .terminal import ascii_only
 
 __all__ = ["EagleOpsApp", "THEMES", "attach_console", "run_console"]
 
-THEMES_DIR = Path(__file__).resolve().parent.parent / "themes"
 THEMES = {"dark": "textual-dark", "light": "textual-light"}
 COMMAND_TIMEOUT_S = 10.0  # an engine answers in milliseconds; this long means it is stuck or gone
 
@@ -43,7 +43,10 @@ COMMAND_TIMEOUT_S = 10.0  # an engine answers in milliseconds; this long means i
 def theme_css(theme: str) -> list[Path]:
     if theme not in THEMES:
         raise UsageError(f"unknown theme {theme!r}; choose from {', '.join(THEMES)}")
-    return [THEMES_DIR / "base.tcss", THEMES_DIR / f"{theme}.tcss"]
+    # console.themes is themes/ in a checkout and console/themes/ in a wheel: either way files on
+    # disk (pip unpacks wheels), which Textual wants as paths: it reads them and, in dev mode, watches them.
+    themes = resources.files("console.themes")
+    return [Path(str(themes / "base.tcss")), Path(str(themes / f"{theme}.tcss"))]
 
 
 def _describe(command: Command) -> str:
