@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -41,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     for stage, what in (
         ("prepare", "merge, dedupe, shuffle, template, tokenize, loss masks, draft vocabulary"),
         ("extract", "run the target and store the hidden states EAGLE-3 trains on"),
-        ("train", "train the drafter (torchrun --nproc_per_node N -m console.cli train ... for DDP)"),
+        ("train", "train the drafter (several GPUs: torchrun --nproc_per_node N -m pipeline train RUN.toml)"),
         ("export", "write the drafter for SGLang/vLLM (config.json + safetensors)"),
         ("eval", "acceptance length on held-out prompts: offline, or through vLLM / SGLang ([eval] backend)"),
     ):
@@ -139,37 +138,13 @@ async def _remote(args: argparse.Namespace) -> int:
 STAGE_COMMANDS = ("prepare", "extract", "train", "export", "eval")
 
 
-def _distributed_stage(config, stage: str) -> int:
-    """Under torchrun every rank runs the stage itself (no engine, socket or lock); rank 0 talks."""
-    from pipeline.protocol.report import format_event
-    from pipeline.training.context import StageContext, StageKilled
-    from pipeline.training.stages import stage_functions
-
-    def emit(event) -> None:
-        if (line := format_event(event)) is not None:
-            print(line, flush=True)
-
-    rank = int(os.environ.get("RANK", "0"))
-    ctx = StageContext(stage, emit, rank=rank)
-    try:
-        stage_functions()[stage](config, ctx)
-    except StageKilled:
-        return 130
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(RuntimeError):
-                dist.barrier()  # every rank past its last collective before the group goes (gloo aborts otherwise)
-            dist.destroy_process_group()
-    return 0
-
-
 def _run(config, args: argparse.Namespace, stages: tuple[str, ...] | None = None) -> int:
     from pipeline.engine.headless import run_headless
 
-    if stages is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return _distributed_stage(config, stages[0])
+    if stages is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's `-m console.cli train`, kept working
+        from pipeline.__main__ import run_on_every_rank
+
+        return run_on_every_rank(config, stages[0])
     if not (args.no_tui or args.json):
         if not sys.stdout.isatty():
             print("eagleops: stdout is not a terminal; running headless (--no-tui)", file=sys.stderr)

@@ -210,7 +210,7 @@ def test_torchrun_two_processes_on_cpu(workdir, tiny_model):
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "console.cli", "train", str(run)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "pipeline", "train", str(run)],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -398,7 +398,7 @@ def test_fsdp_two_processes_match_ddp_and_resume_on_the_same_curve(workdir, tiny
             "--nproc_per_node",
             "2",
             "-m",
-            "console.cli",
+            "pipeline",
             "train",
             str(run),
         ]

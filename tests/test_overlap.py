@@ -194,7 +194,7 @@ def test_a_two_rank_fsdp_train_follows_an_extract_process(reference, tiny_model,
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
     def torchrun_train(run: Path) -> subprocess.Popen:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "console.cli", "train"]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "pipeline", "train"]
         return subprocess.Popen(
             [*command, str(run)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
