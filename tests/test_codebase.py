@@ -1,5 +1,5 @@
 """The house rules, checked: lint and format, import layers, types, sizes, what each layer
-loads, and a README whose run-file reference is the config schema's own."""
+loads, and a run-file reference (docs/run-file.md) that is the config schema's own."""
 
 from __future__ import annotations
 
@@ -111,8 +111,9 @@ def test_engine_generate_and_protocol_load_no_torch():
     assert _loaded_after_import([*light, "pipeline.training", "pipeline.training.context", "console.cli"], ("torch", "transformers")) == []
 
 
-def test_readme_run_file_reference_is_the_schema():
-    from pipeline.config.__main__ import readme_with_reference
+def test_run_file_reference_is_the_schema():
+    from pipeline.config.__main__ import document_with_reference
 
-    readme = (ROOT / "README.md").read_text()
-    assert readme == readme_with_reference(readme), "the README's run-file reference is stale: run `python -m pipeline.config README.md`"
+    reference = (ROOT / "docs" / "run-file.md").read_text()
+    stale = "docs/run-file.md is stale: run `python -m pipeline.config docs/run-file.md`"
+    assert reference == document_with_reference(reference), stale

@@ -1,6 +1,6 @@
 """The run file: tables declared once (``run``), parsed and documented by ``schema``.
 
-``python -m pipeline.config [README.md]`` prints the reference, or rewrites it in the README.
+``python -m pipeline.config [docs/run-file.md]`` prints the reference, or rewrites it in that file.
 """
 
 from ..errors import ConfigError

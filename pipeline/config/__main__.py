@@ -1,7 +1,7 @@
-"""Print the run file reference, or rewrite it between the README's markers:
+"""Print the run file reference, or rewrite it between a document's markers:
 
-python -m pipeline.config            # print
-python -m pipeline.config README.md  # update the README in place
+python -m pipeline.config                   # print
+python -m pipeline.config docs/run-file.md  # update the reference in place
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from .schema import reference_markdown
 START, END = "<!-- run-file-reference:start -->", "<!-- run-file-reference:end -->"
 
 
-def readme_with_reference(text: str) -> str:
+def document_with_reference(text: str) -> str:
     head, _, rest = text.partition(START)
     _, _, tail = rest.partition(END)
     if not rest:
-        raise SystemExit(f"no {START} marker in the README")
+        raise SystemExit(f"no {START} marker in the document")
     return f"{head}{START}\n{reference_markdown(RunConfig)}{END}{tail}"
 
 
@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(reference_markdown(RunConfig))
         return 0
     path = Path(argv[0])
-    path.write_text(readme_with_reference(path.read_text()))
+    path.write_text(document_with_reference(path.read_text()))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Config declared once: a table is a frozen dataclass whose fields carry their type, default,
-check and one-line doc; this module parses TOML into it and writes the README's reference
-from it, so the two can never disagree.
+check and one-line doc; this module parses TOML into it and writes the reference in
+docs/run-file.md from it, so the two can never disagree.
 
     max_tokens: int = setting(2048, "completion tokens per request", check=at_least(1))
 
@@ -223,7 +223,7 @@ def parse_table(cls: type, data: Any, where: str, ctx: _Context | tuple[str, Pat
     return finish(built, table) if finish is not None else built
 
 
-# ---- the README's reference -------------------------------------------------------------------
+# ---- the reference in docs/run-file.md ---------------------------------------------------------
 
 
 def _type_text(hint: Any, meta: dict[str, Any]) -> str:
