@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -92,12 +93,15 @@ def test_the_wheel_installs_and_its_console_starts_with_its_theme(tmp_path):
     assert {f"console/themes/{name}" for name in THEME_FILES} <= names
     assert "pipeline/__main__.py" in names and not any(name.startswith(("themes/", "tests/")) for name in names)
 
-    # torch, textual and the rest come from this interpreter; eagleops only from the wheel
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], cwd=tmp_path)
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
     python = venv / "bin" / "python"
-    _run([str(python), "-m", "pip", "install", "--no-deps", "--ignore-installed", str(wheel)], cwd=tmp_path)
     installed = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=tmp_path).stdout.strip())
+    # torch, textual, pip and the rest come from the site-packages this interpreter sees (a venv's
+    # too, which --system-site-packages would miss), after the venv's own: eagleops from the wheel
+    outer = "".join(f"import site; site.addsitedir({folder!r})\n" for folder in site.getsitepackages())
+    (installed / "_tests_site_packages.pth").write_text(outer)
+    _run([str(python), "-m", "pip", "install", "--no-deps", "--ignore-installed", str(wheel)], cwd=tmp_path)
 
     elsewhere = tmp_path / "elsewhere"  # not the checkout: `import console` must not find it there
     elsewhere.mkdir()
