@@ -18,23 +18,20 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header
 from textual.worker import Worker, WorkerState
 
-from pipeline.config import RunConfig
-from pipeline.engine import Engine
-from pipeline.engine.headless import exit_code
 from pipeline.errors import UsageError
 from pipeline.protocol.control import ControlError
 from pipeline.protocol.events import Command, Kill, LogEvent, Pause, Resume, SetBudget, StageState
-from pipeline.protocol.report import detail_text, format_event, status_line, totals_line
+from pipeline.protocol.report import detail_text, format_event
 
 from .keymap import APP_KEYS, bindings
-from .link import EngineLink, LocalLink, SocketLink
+from .link import EngineLink
 from .logview import LEVELS, LogView
 from .panes import DatasetsTable, GpuPane, ServerPane, StagesPane
 from .screens import BudgetScreen, ConfirmScreen, DetailScreen, HelpScreen, SearchScreen
 from .state import ConsoleState
 from .terminal import ascii_only
 
-__all__ = ["EagleOpsApp", "THEMES", "attach_console", "run_console"]
+__all__ = ["EagleOpsApp", "THEMES"]
 
 THEMES = {"dark": "textual-dark", "light": "textual-light"}
 COMMAND_TIMEOUT_S = 10.0  # an engine answers in milliseconds; this long means it is stuck or gone
@@ -289,9 +286,8 @@ class EagleOpsApp(App[int]):
         if self.link.attached:
             self.write_log("detaching; the run goes on")
         await self.link.stop()
-        summary = getattr(self.link, "summary", None)
         if code is None:
-            code = exit_code(summary) if summary is not None else 0
+            code = self.link.exit_code() or 0
         self.exit(code)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
@@ -299,39 +295,3 @@ class EagleOpsApp(App[int]):
         yield from super().get_system_commands(screen)  # its Quit calls action_quit: ours
         for key in APP_KEYS:
             yield SystemCommand(f"{key.label} ({key.shown_as})", key.does, partial(self.run_action, key.action))
-
-
-async def run_console(config: RunConfig, *, theme: str = "dark", refresh_s: float = 1.0, stages: tuple[str, ...] | None = None) -> int:
-    """``eagleops run`` with the TUI: engine and console in one event loop, socket served too."""
-    engine = Engine(config, stages=stages)
-    await engine.open()
-    server = await engine.serve_socket()
-    link = LocalLink(engine)
-    app = EagleOpsApp(link, theme=theme, refresh_s=refresh_s)
-    try:
-        code = await app.run_async()
-    finally:
-        await link.stop()  # also when the terminal went away: kill cleanly, keep the work
-        if server is not None:
-            await server.close()
-    print_summary(app)
-    summary = link.summary
-    if code is None:
-        return exit_code(summary) if summary is not None else 0
-    return code
-
-
-async def attach_console(path: Path, *, theme: str = "dark", refresh_s: float = 1.0) -> int:
-    app = EagleOpsApp(SocketLink(path), theme=theme, refresh_s=refresh_s)
-    code = await app.run_async()
-    print_summary(app)
-    return code or 0
-
-
-def print_summary(app: EagleOpsApp) -> None:
-    """What the console last showed, left in the terminal after it closes (as --no-tui ends)."""
-    datasets = list(app.state.datasets.values())
-    if not datasets:
-        return
-    with contextlib.suppress(OSError):  # the terminal may be gone (a hangup)
-        print("\n".join(["summary:", *(f"  {status_line(p)}" for p in datasets), f"  {totals_line(datasets)}"]), flush=True)

@@ -149,7 +149,7 @@ def _run(config, args: argparse.Namespace, stages: tuple[str, ...] | None = None
         if not sys.stdout.isatty():
             print("eagleops: stdout is not a terminal; running headless (--no-tui)", file=sys.stderr)
         elif getattr(args, "in_process", False) or args.command == "demo":  # the demo's model server lives in this process
-            from console.app import run_console
+            from console.session import run_console
 
             return asyncio.run(run_console(config, theme=args.theme, refresh_s=args.refresh, stages=stages))
         else:
@@ -159,8 +159,8 @@ def _run(config, args: argparse.Namespace, stages: tuple[str, ...] | None = None
 
 def _run_detached(config, args: argparse.Namespace) -> int:
     """The engine in a session of its own, the console attached: closing it leaves the run going."""
-    from console.app import attach_console
     from console.detached import start_detached
+    from console.session import attach_console
 
     engine = start_detached(config, [args.command, str(args.run_file)])
     if (code := engine.exit_code()) is not None:
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             with demo.serve() as run_path:
                 return _run(load_run(run_path), args)
         if args.command == "attach":
-            from console.app import attach_console
+            from console.session import attach_console
 
             return asyncio.run(attach_console(_socket(args.socket), theme=args.theme, refresh_s=args.refresh))
         return asyncio.run(_remote(args))

@@ -1,21 +1,17 @@
-"""How the console reaches an engine: in the same event loop, or over its control socket.
-
-The console sees only this interface (events out, commands in), never engine internals.
+"""How the console reaches an engine: this interface (events out, commands in), never engine
+internals. Over the control socket here; in the same event loop, ``console.session.LocalLink``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.engine import Engine, RunSummary
-from pipeline.protocol.control import ControlClient, ControlError
+from pipeline.protocol.control import ControlClient
 from pipeline.protocol.events import Ack, Command, Event
 
-__all__ = ["EngineLink", "LocalLink", "SocketLink"]
+__all__ = ["EngineLink", "SocketLink"]
 
 
 class EngineLink(Protocol):
@@ -32,46 +28,8 @@ class EngineLink(Protocol):
 
     async def stop(self) -> None: ...
 
-
-class LocalLink:
-    """The engine runs as a task of the console's own event loop."""
-
-    attached = False
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.description = f"run {engine.config.name}"
-        self.task: asyncio.Task[RunSummary] | None = None
-        self._subscription = engine.subscribe()
-
-    async def start(self) -> None:
-        if self.task is None:
-            self.task = asyncio.create_task(self.engine.run(), name="engine")
-
-    def events(self) -> AsyncIterator[Event]:
-        return aiter(self._subscription)
-
-    async def send(self, command: Command) -> Ack:
-        return await self.engine.execute(command)
-
-    async def detail(self, name: str) -> dict[str, Any]:
-        answer = await self.engine.detail(name)
-        if not answer.get("ok"):
-            raise ControlError(str(answer.get("message")))
-        return answer["detail"]
-
-    async def stop(self) -> None:
-        """Quit = kill: in-flight requests cancelled, finished work kept, resumable."""
-        self.engine.kill()
-        if self.task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
-
-    @property
-    def summary(self) -> RunSummary | None:
-        if self.task is not None and self.task.done() and not self.task.cancelled():
-            return self.task.result()
-        return None
+    def exit_code(self) -> int | None:
+        """The run's exit code once it has ended here; None while it runs, or when it runs elsewhere."""
 
 
 class SocketLink:
@@ -98,3 +56,6 @@ class SocketLink:
 
     async def stop(self) -> None:
         await self.client.close()  # detach: the engine keeps running
+
+    def exit_code(self) -> int | None:
+        return None  # the engine's own process knows it

@@ -117,3 +117,58 @@ def test_run_file_reference_is_the_schema():
     reference = (ROOT / "docs" / "run-file.md").read_text()
     stale = "docs/run-file.md is stale: run `python -m pipeline.config docs/run-file.md`"
     assert reference == document_with_reference(reference), stale
+
+
+def _imports_of(path: Path, known: set[str]) -> set[str]:
+    """Our modules that ``path`` imports anywhere: at the top, in functions, under TYPE_CHECKING."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            origin = ".".join(p for p in (base, node.module or "") if p)
+            for alias in node.names:
+                found.add(f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in known else origin)
+    return {name for name in found if name in known}
+
+
+def _import_cycles() -> list[list[str]]:
+    modules = {name: ROOT / (name.replace(".", "/") + ".py") for name in [*_modules("pipeline"), *_modules("console")]}
+    modules = {name: path if path.exists() else path.with_suffix("") / "__init__.py" for name, path in modules.items()}
+    graph = {name: _imports_of(path, set(modules)) - {name} for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in graph:
+        if name not in index:
+            visit(name)
+    return cycles
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    """Not even under TYPE_CHECKING or inside a function: a cycle is one room split in two."""
+    assert _import_cycles() == []

@@ -18,11 +18,12 @@ from textual.widgets import Static
 
 from console.app import EagleOpsApp
 from console.keymap import KEYMAP, help_rows, markdown_table
-from console.link import LocalLink, SocketLink
+from console.link import SocketLink
 from console.panes import DatasetsTable, GpuPane, StagesPane
 from console.screens import HELP, ConfirmScreen, DetailScreen, HelpScreen
+from console.session import LocalLink
 from pipeline.engine import Engine
-from pipeline.engine.telemetry import NvmlReader, parse_prometheus, server_metrics
+from pipeline.engine.telemetry import NvmlReader, server_metrics
 from pipeline.protocol.control import ControlClient
 from pipeline.protocol.events import (
     Ack,
@@ -40,6 +41,7 @@ from pipeline.protocol.events import (
     StageState,
     StageStatus,
 )
+from pipeline.servers.metrics import parse_prometheus
 
 from .conftest import make_config, write_jsonl
 
@@ -128,6 +130,9 @@ class ScriptedLink:
 
     async def stop(self) -> None:
         self.queue.put_nowait(None)
+
+    def exit_code(self) -> int | None:
+        return None
 
 
 class SilentLink(ScriptedLink):
@@ -378,7 +383,7 @@ async def test_local_console_drives_a_real_engine(tmp_path, fault_server):
         assert table.cell("A", "state") == "running"
         await pilot.press("p")
         await pilot.pause(0.4)
-        assert engine.runners["A"].paused
+        assert engine.generate.runners["A"].paused
         assert table.cell("A", "state") == "paused"
         assert any("command pause A" in line for line in _log_lines(app))
         await pilot.press("q")

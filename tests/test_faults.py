@@ -95,7 +95,7 @@ async def test_a_full_disk_ends_with_nothing_saved_past_a_partial_line_when_kill
     await engine.open()
     monkeypatch.setattr(store_module.os, "pwrite", disk)
     task = asyncio.create_task(engine.run())
-    runner = engine.runners["A"]
+    runner = engine.generate.runners["A"]
     await wait_for(lambda: runner.storage_error is not None and runner.in_flight == 0)
     held, asked = runner.store.buffered(), fault_server.stats()["requests"]
     await asyncio.sleep(0.3)
@@ -133,7 +133,7 @@ async def test_a_real_full_disk_pauses_and_resumes_when_space_comes_back(tmp_pat
             with contextlib.suppress(OSError):
                 f.write(b"\0" * (shutil.disk_usage(disk).free - 40_000))
         task = asyncio.create_task(engine.run())
-        runner = engine.runners["A"]
+        runner = engine.generate.runners["A"]
         await wait_for(lambda: runner.storage_error is not None, timeout=60)
         assert runner.state == DatasetState.PAUSED
         ballast.unlink()  # space comes back
@@ -235,7 +235,7 @@ async def test_duplicate_ids_are_two_rows_in_a_clean_run_and_after_a_kill(tmp_pa
     config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}], concurrency=4)
     engine = Engine(config)
     task = asyncio.create_task(engine.run())
-    await wait_for(lambda: "A" in engine.runners and engine.runners["A"].store.durable.samples >= 10)
+    await wait_for(lambda: "A" in engine.generate.runners and engine.generate.runners["A"].store.durable.samples >= 10)
     engine.kill()
     await task
     assert (await Engine(config).run()).ok
@@ -461,7 +461,7 @@ async def test_a_manifest_that_could_not_be_written_is_written_by_the_next_flush
     source = write_jsonl(tmp_path / "s.jsonl", ["x" * 9] * 4)
     store = DatasetStore(tmp_path / "out", "d", source)
     store.open()
-    store.budget_override = 12345  # e.g. a live budget change, nothing else to save
+    store.budget.live = 12345  # e.g. a live budget change, nothing else to save
     real = store_module.write_json_atomic
     calls = {"n": 0}
 
@@ -491,8 +491,10 @@ async def test_a_dataset_killed_while_the_disk_is_full_resumes_without_duplicate
     disk = _DiskFullFor(times=10**6)
     monkeypatch.setattr(store_module.os, "pwrite", disk)
     task = asyncio.create_task(engine.run())
-    runner = engine.runners["A"]
-    await wait_for(lambda: runner.storage_error is not None and runner.in_flight == 0 and engine.runners["B"].storage_error is not None)
+    runner = engine.generate.runners["A"]
+    await wait_for(
+        lambda: runner.storage_error is not None and runner.in_flight == 0 and engine.generate.runners["B"].storage_error is not None
+    )
     await engine.execute(Kill("A"))
     assert runner.store.buffered() == 0  # what could not be saved is dropped, to be made again
     monkeypatch.undo()  # the disk is back
@@ -510,5 +512,5 @@ def test_a_placeholder_key_is_not_scrubbed_from_generated_text(tmp_path, monkeyp
         endpoints=[{"base_url": "http://127.0.0.1:9/v1", "model": "m", "api_key_env": "EAGLEOPS_TEST_KEY"}],
     )  # fmt: skip
     engine = Engine(config)
-    assert engine.redact_data.scrub({"text": "the EMPTY set"}) == {"text": "the EMPTY set"}
+    assert engine.generate.shared.redact_data.scrub({"text": "the EMPTY set"}) == {"text": "the EMPTY set"}
     assert engine.redact("bad key EMPTY") == "bad key ***"  # logs still hide it

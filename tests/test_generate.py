@@ -13,7 +13,7 @@ import pytest
 from pipeline.engine import Engine
 from pipeline.engine.headless import run_headless
 from pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
-from pipeline.protocol.events import DatasetProgress, DatasetState, Kill, LogEvent, Pause, Resume, SetBudget
+from pipeline.protocol.events import DatasetProgress, DatasetState, Kill, LogEvent, Pause, Resume, SetBudget, StopReason, event_from_json
 
 from .conftest import make_config, read_jsonl, write_jsonl
 
@@ -135,11 +135,11 @@ async def test_live_budget_up_resumes_and_down_stops_issuing(tmp_path, fault_ser
     config = make_config(tmp_path, fault_server.base_url, datasets, concurrency=5)
     engine = Engine(config)
     run = asyncio.create_task(engine.run())
-    await wait_for(lambda: "A" in engine.runners and engine.runners["A"].state == DatasetState.DONE)
-    before = engine.runners["A"].store.accepted.tokens
+    await wait_for(lambda: "A" in engine.generate.runners and engine.generate.runners["A"].state == DatasetState.DONE)
+    before = engine.generate.runners["A"].store.accepted.tokens
     ack = await engine.execute(SetBudget("A", 2000))
     assert ack.ok and "resumed" in ack.message
-    await wait_for(lambda: engine.runners["A"].store.accepted.tokens > 600)
+    await wait_for(lambda: engine.generate.runners["A"].store.accepted.tokens > 600)
     ack = await engine.execute(SetBudget("A", 700))
     assert ack.ok
     await engine.execute(Kill("Slow"))
@@ -164,7 +164,13 @@ async def test_lowering_with_cancel_flag_cancels_in_flight(tmp_path, fault_serve
     fault_server.reset()
     engine = Engine(config)
     run = asyncio.create_task(engine.run())
-    await wait_for(lambda: "A" in engine.runners and engine.runners["A"].store.accepted.samples == 1 and engine.runners["A"].in_flight == 8)
+    await wait_for(
+        lambda: (
+            "A" in engine.generate.runners
+            and engine.generate.runners["A"].store.accepted.samples == 1
+            and engine.generate.runners["A"].in_flight == 8
+        )
+    )
     ack = await engine.execute(SetBudget("A", 10))
     assert "cancelled 8 in flight" in ack.message
     summary = await asyncio.wait_for(run, 10)
@@ -177,9 +183,9 @@ async def test_pause_lets_in_flight_finish_and_resume_continues(tmp_path, fault_
     config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}], concurrency=4)
     engine = Engine(config)
     run = asyncio.create_task(engine.run())
-    await wait_for(lambda: "A" in engine.runners and engine.runners["A"].store.accepted.samples >= 8)
+    await wait_for(lambda: "A" in engine.generate.runners and engine.generate.runners["A"].store.accepted.samples >= 8)
     await engine.execute(Pause("A"))
-    runner = engine.runners["A"]
+    runner = engine.generate.runners["A"]
     await wait_for(lambda: runner.in_flight == 0)
     paused_at = runner.store.accepted.samples
     await asyncio.sleep(0.3)
@@ -196,7 +202,7 @@ async def test_kill_cancels_in_flight_and_the_server_sees_it(tmp_path, fault_ser
     fault_server.reset()
     engine = Engine(config)
     run = asyncio.create_task(engine.run())
-    await wait_for(lambda: fault_server.stats()["in_flight"] == 6 and engine.runners["A"].store.accepted.samples == 3)
+    await wait_for(lambda: fault_server.stats()["in_flight"] == 6 and engine.generate.runners["A"].store.accepted.samples == 3)
     await engine.execute(Kill())
     summary = await asyncio.wait_for(run, 5)
     assert summary.killed and summary.datasets[0].state == DatasetState.KILLED
@@ -219,7 +225,7 @@ async def test_kill_one_dataset_leaves_the_others_running(tmp_path, fault_server
     )
     engine = Engine(config)
     run = asyncio.create_task(engine.run())
-    await wait_for(lambda: "A" in engine.runners and engine.runners["A"].in_flight > 0)
+    await wait_for(lambda: "A" in engine.generate.runners and engine.generate.runners["A"].in_flight > 0)
     ack = await engine.execute(Kill("A"))
     assert ack.ok
     summary = await asyncio.wait_for(run, 20)
@@ -365,8 +371,8 @@ async def test_eta_counts_the_end_of_the_source_not_only_the_budget(tmp_path, fa
     config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1G"}], concurrency=4)
     engine = Engine(config)
     task = asyncio.create_task(engine.run())
-    await wait_for(lambda: "A" in engine.runners and engine.runners["A"].store.accepted.samples >= 60)
-    eta = engine.runners["A"].progress().eta_s
+    await wait_for(lambda: "A" in engine.generate.runners and engine.generate.runners["A"].store.accepted.samples >= 60)
+    eta = engine.generate.runners["A"].progress().eta_s
     await task
     assert eta is not None and eta < 60  # ~140 rows left at ~100/s, not 1G tokens at 500 tok/s (days)
 
@@ -391,3 +397,51 @@ async def test_an_attaching_console_gets_recent_history(tmp_path, fault_server):
     await task
     await server.close()
     assert any(isinstance(e, LogEvent) and "before anyone attached" in e.message for e in seen)
+
+
+class RecordingHost:
+    """A StageHost with no engine behind it: the generate stage needs nothing more."""
+
+    def __init__(self):
+        self.events: list = []
+        self.lines: list[tuple[str, str]] = []
+
+    def publish(self, event) -> None:
+        self.events.append(event)
+
+    def log(self, level: str, message: str, dataset: str | None = None) -> None:
+        self.lines.append((level, message))
+
+    def set_stage(self, name, status, detail: str = "") -> None:
+        self.events.append((name, status))
+
+
+async def test_a_live_budget_is_one_value_the_generate_stage_owns_without_an_engine(tmp_path):
+    """Down the layers: stage -> runner -> its limits and its store; the change is durable and
+    published, and a reopened stage starts from it, not from the run file."""
+    from pipeline.generate.stage import GenerateStage
+
+    source = write_jsonl(tmp_path / "a.jsonl", prompts(3))
+    config = make_config(tmp_path, "http://127.0.0.1:9", [{"name": "A", "path": str(source), "token_budget": 100}])
+    host = RecordingHost()
+    stage = GenerateStage(config, host, clock=lambda: 0.0)
+    await stage.open()
+    ack = await stage.execute(SetBudget("A", 5000))
+    assert ack.ok and ack.message == "budget A: 100 -> 5k"
+    runner = stage.runners["A"]
+    assert runner.budget == runner.store.budget.tokens == 5000 and runner.limits.budget is runner.store.budget
+    assert [e.budget for e in host.events if isinstance(e, DatasetProgress)] == [5000]
+    reopened = GenerateStage(config, RecordingHost(), clock=lambda: 0.0)
+    await reopened.open()
+    assert reopened.runners["A"].budget == 5000
+
+
+async def test_a_dataset_stopped_by_its_budget_says_so_in_a_typed_reason(tmp_path, fault_server):
+    source = write_jsonl(tmp_path / "a.jsonl", prompts(40, "[[tokens:10]]"))
+    exhausted = write_jsonl(tmp_path / "b.jsonl", prompts(2, "[[tokens:10]]"))
+    datasets = [{"name": "A", "path": str(source), "token_budget": 50}, {"name": "B", "path": str(exhausted), "token_budget": "1M"}]
+    summary = await Engine(make_config(tmp_path, fault_server.base_url, datasets, concurrency=2)).run()
+    by_name = {p.name: p for p in summary.datasets}
+    assert by_name["A"].stopped_by == StopReason.BUDGET and by_name["A"].reason.startswith("budget reached")
+    assert by_name["B"].stopped_by == StopReason.SOURCE_EXHAUSTED
+    assert event_from_json(by_name["A"].to_json()) == by_name["A"]

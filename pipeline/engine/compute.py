@@ -1,82 +1,109 @@
-"""The compute stages in the engine: each in a worker thread, one after another, except a
-train that follows its extract (``train.overlap_extract``): those two run side by side."""
+"""The compute stages (prepare, extract, train, export, eval), scheduled: each in a worker thread,
+one after another, except a train that follows its extract (``train.overlap_extract``): those two
+run side by side. Torch is imported when a stage runs, never with the engine."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from pipeline.protocol.events import StageState, StageStatus
+from pipeline.config import RunConfig
+from pipeline.protocol.events import Ack, Command, Pause, Resume, StageStatus
+from pipeline.protocol.host import StageHost
 from pipeline.training.context import StageContext, StageKilled
 
-if TYPE_CHECKING:
-    from pipeline.engine.engine import Engine
-
-__all__ = ["EngineStages"]
+__all__ = ["ComputeStages"]
 
 
-class EngineStages:
-    """The stage half of ``Engine`` (a mixin, as ``EngineCommands`` is)."""
+class ComputeStages:
+    def __init__(self, config: RunConfig, host: StageHost, redact: Callable[[str], str]):
+        self.config, self.host, self.redact = config, host, redact
+        self.results: dict[str, object] = {}
+        self._running: dict[str, StageContext] = {}  # two while a train follows its extract
+        self._killed = False
 
-    def _stage_failed(self: Engine) -> bool:
-        return any(state.status == StageStatus.FAILED for state in self.stage_states.values())
+    @property
+    def running(self) -> list[str]:
+        return list(self._running)
 
-    def _set_stage(self: Engine, name: str, status: StageStatus, detail: str = "") -> None:
-        self.stage_states[name] = StageState(name, status, detail)
-        self.publish(self.stage_states[name])
-
-    def _compute_groups(self: Engine) -> list[tuple[str, ...]]:
+    def groups(self, stages: tuple[str, ...]) -> list[tuple[str, ...]]:
         """The compute stages in order, one at a time, except a train that follows its extract."""
         groups: list[tuple[str, ...]] = []
-        for name in self.stages:
+        for name in stages:
             if name == "train" and self.config.train.overlap_extract and groups and groups[-1] == ("extract",):
                 groups[-1] = ("extract", "train")
             elif name != "generate":
                 groups.append((name,))
         return groups
 
-    async def _compute_together(self: Engine, names: tuple[str, ...]) -> None:
+    async def run_together(self, names: tuple[str, ...]) -> bool:
         """Stages side by side; one that ends without finishing stops the others (a train
         following a failed extract would wait for shards forever), one that finishes tells them
-        (an extract waiting for a finished train to free room stops)."""
+        (an extract waiting for a finished train to free room stops). True if all finished."""
         if len(names) > 1:
             from pipeline.training.stages import import_for_concurrent_stages
 
             await asyncio.to_thread(import_for_concurrent_stages)
             if self._killed:  # a kill during the import found no stage to stop
-                return
-        tasks = {asyncio.create_task(self._compute_stage(name), name=f"stage {name}"): name for name in names}
-        pending = set(tasks)
+                return False
+        tasks = {asyncio.create_task(self._run_stage(name), name=f"stage {name}"): name for name in names}
+        pending, all_done = set(tasks), True
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            failed = any(self.stage_states[tasks[task]].status != StageStatus.DONE for task in done)
+            failed = any(task.result() != StageStatus.DONE for task in done)
+            all_done = all_done and not failed
             for task in pending:
-                if (ctx := self._stage_ctxs.get(tasks[task])) is None:
+                if (ctx := self._running.get(tasks[task])) is None:
                     continue
                 if failed:
                     ctx.kill()
                 else:
                     ctx.partner_done.set()
+        return all_done
 
-    async def _compute_stage(self: Engine, name: str) -> None:
+    async def _run_stage(self, name: str) -> StageStatus:
         """A torch stage in a worker thread; its events cross back to the loop thread-safely."""
         from pipeline.training.stages import stage_functions
 
         loop = asyncio.get_running_loop()
-        ctx = StageContext(name, lambda event: loop.call_soon_threadsafe(self.publish, event))
-        self._stage_ctxs[name] = ctx
+        ctx = StageContext(name, lambda event: loop.call_soon_threadsafe(self.host.publish, event))
+        self._running[name] = ctx
         if self._killed:
             ctx.kill()
-        self._set_stage(name, StageStatus.RUNNING)
+        self.host.set_stage(name, StageStatus.RUNNING)
         try:
             result = await asyncio.to_thread(stage_functions()[name], self.config, ctx)
         except StageKilled:
-            self._set_stage(name, StageStatus.KILLED, "killed; resumable")
+            self.host.set_stage(name, StageStatus.KILLED, "killed; resumable")
+            return StageStatus.KILLED
         except Exception as exc:
-            self.log("error", self.redact(f"{name}: {type(exc).__name__}: {exc}"))
-            self._set_stage(name, StageStatus.FAILED, self.redact(str(exc))[:200])
+            self.host.log("error", self.redact(f"{name}: {type(exc).__name__}: {exc}"))
+            self.host.set_stage(name, StageStatus.FAILED, self.redact(str(exc))[:200])
+            return StageStatus.FAILED
         else:
-            self.stage_results[name] = result
-            self._set_stage(name, StageStatus.DONE)
+            self.results[name] = result
+            self.host.set_stage(name, StageStatus.DONE)
+            return StageStatus.DONE
         finally:
-            self._stage_ctxs.pop(name, None)
+            self._running.pop(name, None)
+
+    def command(self, command: Command) -> Ack:
+        """Pause or resume a running stage (by its name in ``command.dataset``); a kill is the
+        whole run's, and the engine's to make."""
+        ctx = self._running.get(command.dataset or "")
+        if ctx is None:
+            return Ack(False, f"stage {command.dataset} is not running (running: {', '.join(self._running) or 'none'})")
+        if isinstance(command, Pause):
+            ctx.pause()
+            self.host.set_stage(ctx.stage, StageStatus.PAUSED, "pauses at its next batch")
+            return Ack(True, f"paused {ctx.stage} (at its next batch boundary)")
+        if isinstance(command, Resume):
+            ctx.resume()
+            self.host.set_stage(ctx.stage, StageStatus.RUNNING)
+            return Ack(True, f"resumed {ctx.stage}")
+        return Ack(False, f"{command.kind} does not apply to a stage")
+
+    def kill(self) -> None:
+        self._killed = True
+        for ctx in list(self._running.values()):
+            ctx.kill()

@@ -9,16 +9,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import aiohttp
 
-from pipeline.protocol.events import GpuStats, HostStats, ServerMetrics
+from pipeline.config import EndpointConfig
+from pipeline.protocol.events import Event, GpuStats, HostStats, ServerMetrics
 from pipeline.servers.metrics import parse_prometheus
-
-if TYPE_CHECKING:
-    from pipeline.engine.engine import Engine
 
 __all__ = [
     "telemetry_loop",
@@ -219,28 +218,34 @@ async def scrape_metrics(session: aiohttp.ClientSession, base_url: str) -> dict[
         return None
 
 
-async def telemetry_loop(engine: Engine, session: aiohttp.ClientSession) -> None:
+async def telemetry_loop(
+    session: aiohttp.ClientSession,
+    gpu_reader: GpuReader,
+    endpoints: Callable[[], list[EndpointConfig]],
+    on_reading: Callable[[str, Event], None],
+    log: Callable[[str, str], None],
+    interval_s: float,
+) -> None:
     """GPUs and host every tick; servers' /metrics every few ticks. Never on the event loop's
-    critical path: NVML and psutil run in a thread, scrapes are plain async requests."""
+    critical path: NVML and psutil run in a thread, scrapes are plain async requests. Each
+    reading goes to ``on_reading`` under a key that a newer reading of the same thing replaces."""
     previous: dict[str, object] = {}
     tick = 0
     while True:
         try:
-            gpu = await asyncio.to_thread(engine.gpu_reader.read)
+            gpu = await asyncio.to_thread(gpu_reader.read)
             host = await asyncio.to_thread(read_host)
         except Exception as exc:
-            engine.log("warning", f"telemetry: {type(exc).__name__}: {exc}")
+            log("warning", f"telemetry: {type(exc).__name__}: {exc}")
         else:
             for event in (gpu, host):
-                engine.latest_telemetry[event.kind] = event
-                engine.publish(event)
+                on_reading(event.kind, event)
         if tick % 3 == 0:
-            for ep in [state.config for state in engine.pool.endpoints]:
+            for ep in endpoints():
                 values = await scrape_metrics(session, ep.base_url)
                 if values is None:
                     continue
                 metrics, previous[ep.label] = server_metrics(ep.label, values, previous.get(ep.label), time.monotonic())
-                engine.latest_telemetry[f"server:{ep.label}"] = metrics
-                engine.publish(metrics)
+                on_reading(f"server:{ep.label}", metrics)
         tick += 1
-        await asyncio.sleep(engine.telemetry_interval_s)
+        await asyncio.sleep(interval_s)

@@ -33,6 +33,7 @@ from typing import Any
 
 from pipeline.errors import RunError
 from pipeline.files import write_json_atomic
+from pipeline.generate.limits import Budget
 from pipeline.generate.sources import BadLine, Prompt
 
 __all__ = ["DatasetStore", "StoreError", "Totals", "WriteFailed"]
@@ -115,7 +116,7 @@ def source_fingerprint(path: Path, offset: int) -> str:
 class DatasetStore:
     """Owned by the event loop; file I/O runs in worker threads, one flush at a time."""
 
-    def __init__(self, directory: Path, name: str, source: Path):
+    def __init__(self, directory: Path, name: str, source: Path, budget: Budget | None = None):
         self.directory = directory
         self.name = name
         self.source = source
@@ -124,7 +125,7 @@ class DatasetStore:
         self.manifest_path = directory / "manifest.json"
         self.durable = Totals()  # what is on disk and in the manifest
         self.accepted = Totals()  # durable + buffered: what the budget is checked against
-        self.budget_override: int | None = None
+        self.budget = budget or Budget(run_file=0)  # kept here only to make a live change durable
         self.done_beyond: set[int] = set()  # source offsets durably done, >= watermark
         self._pending: dict[int, int] = {}  # source offset in flight -> lines before it
         self._read_pos: tuple[int, int] = (0, 0)  # (offset, lines before) of the next unread line
@@ -167,7 +168,7 @@ class DatasetStore:
         done = manifest.get("done_beyond", [])
         self.done_beyond = {int(v) for v in (done.values() if isinstance(done, dict) else done)}  # v1: {id: offset}
         self.durable = Totals(**manifest.get("totals", {}))
-        self.budget_override = manifest.get("budget_override")
+        self.budget.live = manifest.get("budget_override")
         committed = manifest.get("committed", {"data": 0, "failed": 0})
         data_size = self._recover(self.data_path, int(committed["data"]), is_failure=False)
         failed_size = self._recover(self.failed_path, int(committed["failed"]), is_failure=True)
@@ -316,7 +317,7 @@ class DatasetStore:
             "done_beyond": sorted(self.done_beyond),
             "committed": {"data": self._sizes[0], "failed": self._sizes[1]},
             "totals": dict(self.durable.__dict__),
-            "budget_override": self.budget_override,
+            "budget_override": self.budget.live,
         }
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "SetBudget",
     "StageState",
     "StageStatus",
+    "StopReason",
     "command_from_json",
     "event_from_json",
 ]
@@ -47,6 +48,22 @@ class DatasetState(StrEnum):
     @property
     def terminal(self) -> bool:
         return self in (DatasetState.DONE, DatasetState.KILLED, DatasetState.FAILED)
+
+
+class StopReason(StrEnum):
+    """Why a dataset stopped issuing requests; the value is what a person reads."""
+
+    BUDGET = "budget reached"
+    SAMPLE_CAP = "sample cap reached"
+    SOURCE_EXHAUSTED = "source exhausted"
+    STOPPED = "stopped"  # its endpoints went away (a served target that died) or the run ended it
+    KILLED = "killed; resumable"
+    FAILED = "failed"  # the reason text says what failed
+
+    @property
+    def by_limit(self) -> bool:
+        """A limit stopped it: raising that limit lets it go on."""
+        return self in (StopReason.BUDGET, StopReason.SAMPLE_CAP)
 
 
 class StageStatus(StrEnum):
@@ -87,7 +104,8 @@ class DatasetProgress(Event):
     eta_s: float | None = None
     cost: float = 0.0
     reasoning_tokens: int = 0  # of tokens, spent thinking
-    reason: str = ""  # why it is in its state ("budget reached", "source exhausted", ...)
+    reason: str = ""  # why it is in its state, in words ("budget reached, overshoot 12 tokens", a failure)
+    stopped_by: StopReason | None = None  # why it stopped, typed: set once it has
     at: float = field(default_factory=time.time)
 
     @property
@@ -205,7 +223,7 @@ _EVENTS: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (DatasetProgress, EndpointStats, StageState, LogEvent, GpuStats, HostStats, ServerMetrics, StageProgress, StageMetrics)
 }
-_ENUM_FIELDS = {"state": DatasetState, "status": StageStatus}
+_ENUM_FIELDS = {"state": DatasetState, "status": StageStatus, "stopped_by": StopReason}
 
 
 def event_from_json(payload: dict[str, Any]) -> Event:
@@ -214,7 +232,7 @@ def event_from_json(payload: dict[str, Any]) -> Event:
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in payload.items() if k in names}
     for key, enum in _ENUM_FIELDS.items():
-        if key in kwargs:
+        if kwargs.get(key) is not None:
             kwargs[key] = enum(kwargs[key])
     if cls is GpuStats:
         kwargs["gpus"] = tuple(tuple(g) for g in kwargs.get("gpus", ()))

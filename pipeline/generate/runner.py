@@ -1,42 +1,67 @@
 """One dataset of the generate stage: reads its source from the resume point, admits requests
-while its token budget has room, records every outcome in its crash-safe store."""
+while its limits have room, records every outcome in its crash-safe store, and takes the
+dataset's commands (pause, resume, budget, kill)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import Counter, deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.config import DatasetConfig, format_tokens
-from pipeline.engine.digest import CURRENT_REQUEST
-from pipeline.generate.client import Completion, PermanentFailure, RateMeter
+from pipeline.generate.client import ChatClient, Completion, PermanentFailure, RateMeter
 from pipeline.generate.conversation import assistant_turn, regenerate_all
+from pipeline.generate.digest import CURRENT_REQUEST
+from pipeline.generate.limits import Limits
+from pipeline.generate.records import bad_line_record, failed_request_record, generated_record
 from pipeline.generate.sources import BadLine, Prompt, SourceReader
-from pipeline.generate.store import DatasetStore, StoreError
-from pipeline.protocol.events import DatasetProgress, DatasetState
+from pipeline.generate.store import DatasetStore, StoreError, WriteFailed
+from pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
+from pipeline.protocol.host import StageHost
+from pipeline.protocol.redact import Redactor
 
-if TYPE_CHECKING:
-    from pipeline.engine.engine import Engine
-
-__all__ = ["DatasetRunner"]
+__all__ = ["DatasetRunner", "RunnerShared"]
 
 FLUSH_RECORDS = 256  # buffered records that trigger a flush before the interval is up
 _STORAGE_RETRY_MAX_S = 15.0
 _READ_BATCH = 256
 
 
+@dataclass
+class RunnerShared:
+    """What every dataset of the stage shares: the host to be heard through, the client, the
+    slots that cap requests in flight across datasets."""
+
+    host: StageHost
+    clock: Callable[[], float]
+    redact: Redactor
+    redact_data: Redactor  # for generated text: only keys long enough to be real
+    slots: asyncio.Semaphore
+    request_flush: Callable[[], None]
+    cancel_over_budget: bool = False
+    models: dict[str, str] = field(default_factory=dict)  # endpoint label -> model name
+    client: ChatClient | None = None  # set when the stage runs
+
+    def chat(self) -> ChatClient:
+        if self.client is None:
+            raise RuntimeError("the generate stage has not started its client")
+        return self.client
+
+
 class DatasetRunner:
-    def __init__(self, engine: Engine, config: DatasetConfig, store: DatasetStore):
-        self.engine, self.config, self.store = engine, config, store
-        self.budget = store.budget_override if store.budget_override is not None else config.token_budget
-        self.thinking = engine.config.thinking_for(config)
+    def __init__(self, shared: RunnerShared, config: DatasetConfig, store: DatasetStore, *, thinking: str, max_tokens: int):
+        self.shared, self.config, self.store = shared, config, store
+        self.limits = Limits(store.budget, config.max_samples, max_tokens)
+        self.thinking = thinking
         self.state = DatasetState.QUEUED
         self.reason = ""
+        self.stopped_by: StopReason | None = None
         self.paused = False
         self.in_flight = 0
-        self.meter = RateMeter(clock=engine.clock)
+        self.meter = RateMeter(clock=shared.clock)
         self.task: asyncio.Task | None = None
         self._requests: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
@@ -45,33 +70,22 @@ class DatasetRunner:
         self._storage_failures = 0
         self._storage_retry_at = 0.0
         self._stopping = False  # killed: the final save stops waiting for a full disk
-        self.source_meter = RateMeter(clock=engine.clock)  # source bytes finished per second
+        self.source_meter = RateMeter(clock=shared.clock)  # source bytes finished per second
         self._source_size = 0
         self.latencies: deque[float] = deque(maxlen=2000)  # this session's, for the detail view
         self.endpoint_counts: Counter[str] = Counter()
 
-    # ---- budget arithmetic ------------------------------------------------------------------
-    def _estimate(self) -> float:
-        """Tokens a request in flight is expected to add: the mean so far, once it means something."""
-        done = self.store.accepted
-        if done.samples >= 8:
-            return done.tokens / done.samples
-        return float(self.engine.config.sampling.max_tokens)
+    @property
+    def budget(self) -> int:
+        return self.limits.budget.tokens
 
     def _room(self) -> bool:
         done = self.store.accepted
-        if done.tokens + self.in_flight * self._estimate() >= self.budget:
-            return False
-        cap = self.config.max_samples
-        return cap is None or done.samples + self.in_flight < cap
+        return self.limits.room(done.tokens, done.samples, self.in_flight)
 
-    def at_limit(self) -> bool:
+    def limit_reached(self) -> StopReason | None:
         done = self.store.accepted
-        cap = self.config.max_samples
-        return done.tokens >= self.budget or (cap is not None and done.samples >= cap)
-
-    def _limit_reason(self) -> str:
-        return "budget reached" if self.store.accepted.tokens >= self.budget else "sample cap reached"
+        return self.limits.reached(done.tokens, done.samples)
 
     def wake(self) -> None:
         self._wake.set()
@@ -80,6 +94,24 @@ class DatasetRunner:
         self._wake.clear()
         await self._wake.wait()
 
+    def _log(self, level: str, message: str) -> None:
+        self.shared.host.log(level, message, self.config.name)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self, on_end: Callable[[], None]) -> None:
+        self.task = asyncio.create_task(self._run_guarded(on_end), name=f"dataset:{self.config.name}")
+
+    async def _run_guarded(self, on_end: Callable[[], None]) -> None:
+        try:
+            await self.run()
+        except asyncio.CancelledError:
+            self._finish(DatasetState.KILLED, StopReason.KILLED)
+            # Swallow: a killed dataset is a state, not an error of the engine.
+        except Exception as exc:
+            self._finish(DatasetState.FAILED, StopReason.FAILED, self.shared.redact(f"{type(exc).__name__}: {exc}"))
+        finally:
+            on_end()
+
     # ---- the run ------------------------------------------------------------------------------
     async def run(self) -> None:
         self._stopping = False
@@ -87,8 +119,9 @@ class DatasetRunner:
             self._source_size = (await asyncio.to_thread(self.config.path.stat)).st_size
         self.store.rewind_to_watermark()
         self._exhausted = False
-        if self.at_limit():
-            self._finish(DatasetState.DONE, self._limit_reason())
+        self.reason, self.stopped_by = "", None
+        if (limit := self.limit_reached()) is not None:
+            self._finish(DatasetState.DONE, limit)
             return
         self._set(DatasetState.PAUSED if self.paused else DatasetState.RUNNING)
         failure: str | None = None
@@ -102,14 +135,14 @@ class DatasetRunner:
         finally:
             await asyncio.shield(self._save_before_finishing())
         if failure is not None:
-            self._finish(DatasetState.FAILED, failure)
+            self._finish(DatasetState.FAILED, StopReason.FAILED, failure)
             return
-        if self.at_limit():
-            self._finish(DatasetState.DONE, self._limit_reason())
+        if (limit := self.limit_reached()) is not None:
+            self._finish(DatasetState.DONE, limit)
         elif self._exhausted:
-            self._finish(DatasetState.DONE, "source exhausted")
+            self._finish(DatasetState.DONE, StopReason.SOURCE_EXHAUSTED)
         else:
-            self._finish(DatasetState.DONE, "stopped")
+            self._finish(DatasetState.DONE, StopReason.STOPPED)
 
     async def _issue(self, group: asyncio.TaskGroup) -> None:
         offset, lines = self.store.reader_position()
@@ -139,7 +172,7 @@ class DatasetRunner:
 
     async def _admit(self) -> bool:
         """Wait for a slot; False once this dataset should stop issuing (budget or cap reached)."""
-        slots = self.engine.slots
+        slots = self.shared.slots
         while True:
             if self.paused or self.storage_error is not None:
                 self._set(DatasetState.PAUSED)
@@ -159,31 +192,19 @@ class DatasetRunner:
 
     def _bad_line(self, item: BadLine) -> None:
         self.store.dispatched(item)
-        self.store.add_failure(
-            item,
-            self.engine.redact_data.scrub(
-                {
-                    "id": f"line:{item.line}",
-                    "kind": "bad_line",
-                    "dataset": self.config.name,
-                    "source_offset": item.offset,
-                    "source_line": item.line,
-                    "field": item.field,
-                    "reason": item.message,
-                }
-            ),
-        )
-        self.engine.log("error", item.message, self.config.name)
+        self.store.add_failure(item, self.shared.redact_data.scrub(bad_line_record(item, self.config.name)))
+        self._log("error", item.message)
 
     async def _request(self, prompt: Prompt) -> None:
         CURRENT_REQUEST.set((self.config.name, prompt.prompt_id))  # this task's own context: names its retries
+        client = self.shared.chat()
         try:
             if self.config.regenerate == "all":
-                conversation, completion, written = await regenerate_all(self.engine.client, prompt.messages, self.thinking)
+                conversation, completion, written = await regenerate_all(client, prompt.messages, self.thinking)
             else:
-                completion = await self.engine.client.complete(prompt.messages, thinking=self.thinking)
+                completion = await client.complete(prompt.messages, thinking=self.thinking)
                 conversation, written = [*prompt.messages, assistant_turn(completion)], [len(prompt.messages)]
-            self.store.add_record(prompt, self.engine.redact_data.scrub(self._record(prompt, conversation, completion, written)))
+            self.store.add_record(prompt, self.shared.redact_data.scrub(self._record(prompt, conversation, completion, written)))
         except PermanentFailure as exc:
             self._request_failed(prompt, exc.reason, exc.attempts)
         except Exception as exc:  # whatever it is, it is this row's: recorded, and the dataset goes on
@@ -192,57 +213,24 @@ class DatasetRunner:
             self.meter.add(completion.completion_tokens)
             self.latencies.append(completion.latency_s)
             self.endpoint_counts[completion.endpoint] += 1
-            if self.engine.config.cancel_in_flight_over_budget and self.store.accepted.tokens >= self.budget:
+            if self.shared.cancel_over_budget and self.store.accepted.tokens >= self.budget:
                 self.cancel_requests()
         finally:
             self.source_meter.add(prompt.end - prompt.offset)
             self.in_flight -= 1
-            self.engine.slots.release()
+            self.shared.slots.release()
             self.wake()
             if self.store.buffered() >= FLUSH_RECORDS:
-                self.engine.request_flush()
+                self.shared.request_flush()
 
     def _request_failed(self, prompt: Prompt, reason: str, attempts: int | None) -> None:
-        reason = self.engine.redact(reason).encode("utf-8", "backslashreplace").decode("utf-8")
-        self.store.add_failure(
-            prompt,
-            {
-                "id": prompt.prompt_id,
-                "kind": "request",
-                "dataset": self.config.name,
-                "source_offset": prompt.offset,
-                "source_line": prompt.line,
-                "reason": reason,
-                "attempts": attempts,
-            },
-        )
-        self.engine.log("error", f"{self.config.path.name}:{prompt.line} ({prompt.prompt_id}): {reason}", self.config.name)
+        reason = self.shared.redact(reason).encode("utf-8", "backslashreplace").decode("utf-8")
+        self.store.add_failure(prompt, failed_request_record(prompt, self.config.name, reason, attempts))
+        self._log("error", f"{self.config.path.name}:{prompt.line} ({prompt.prompt_id}): {reason}")
 
     def _record(self, prompt: Prompt, conversation: list[dict[str, Any]], completion: Completion, written: list[int]) -> dict[str, Any]:
-        record = {
-            "id": prompt.prompt_id,
-            "conversations": conversation,
-            "target_turns": written,  # the replies the target wrote: the only ones trained on
-            "dataset": self.config.name,
-            "source_offset": prompt.offset,
-            "source_line": prompt.line,
-            "finish_reason": completion.finish_reason,
-            "truncated": completion.finish_reason == "length",
-            "prompt_tokens": completion.prompt_tokens,
-            "completion_tokens": completion.completion_tokens,
-            "usage_source": completion.usage_source,
-            "endpoint": completion.endpoint,
-            "model": self.engine.model_for(completion.endpoint),
-            "latency_s": round(completion.latency_s, 4),
-            "attempts": completion.attempts,
-            "cost": completion.cost,
-            "thinking": self.thinking,  # drop: the reasoning is kept here but not trained on
-            "reasoning_tokens": completion.reasoning_tokens,
-            "finished_at": round(time.time(), 3),
-        }
-        if completion.token_ids is not None:
-            record["completion_token_ids"] = list(completion.token_ids)
-        return record
+        model = self.shared.models.get(completion.endpoint, "")
+        return generated_record(prompt, self.config.name, conversation, completion, written, model=model, thinking=self.thinking)
 
     def stop(self) -> None:
         """Kill this dataset: in-flight requests cancelled, finished work kept (resumable)."""
@@ -251,31 +239,86 @@ class DatasetRunner:
             self.task.cancel()
             self.wake()
 
+    async def kill(self) -> None:
+        task = self.task
+        if task is not None and not task.done():
+            self.stop()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     def cancel_requests(self) -> None:
         for task in list(self._requests):
             task.cancel()
 
-    # ---- storage faults ---------------------------------------------------------------------
-    def storage_failed(self, message: str) -> None:
+    # ---- commands -----------------------------------------------------------------------------
+    def pause(self) -> None:
+        self.paused = True
+        self.wake()
+        if not self.state.terminal:
+            self._set(DatasetState.PAUSED)
+
+    def resume(self) -> bool:
+        """Issue again; True when the dataset has ended and should be started again (it was
+        killed, or a limit that has since been raised stopped it)."""
+        self.paused = False
+        self.wake()
+        if self.state == DatasetState.PAUSED and self.task is not None and not self.task.done():
+            self._set(DatasetState.RUNNING)
+        stopped_early = self.state == DatasetState.KILLED or (self.state == DatasetState.DONE and self.stopped_by == StopReason.BUDGET)
+        return stopped_early and self.limit_reached() is None
+
+    async def set_budget(self, tokens: int) -> tuple[str, bool]:
+        """The new budget, made durable at once. Answers what became of it in words, and whether
+        the dataset, stopped by its old budget, should be started again."""
+        old = self.budget
+        self.limits.budget.live = tokens
+        saved = await self.save(force_manifest=True)
+        self.wake()
+        note = "" if saved else f" (not saved yet: {self.storage_error})"
+        restart = False
+        if tokens > old and self.state == DatasetState.DONE and self.stopped_by == StopReason.BUDGET and self.limit_reached() is None:
+            restart = True
+        elif tokens < old and self.in_flight:
+            if self.shared.cancel_over_budget and self.store.accepted.tokens >= tokens:
+                self.cancel_requests()
+                note += f"; cancelled {self.in_flight} in flight"
+            else:
+                note += f"; no new requests, {self.in_flight} in flight finish"
+        self.shared.host.publish(self.progress())
+        return f"budget {self.config.name}: {format_tokens(old)} -> {format_tokens(tokens)}{note}", restart
+
+    # ---- storage ------------------------------------------------------------------------------
+    async def save(self, *, force_manifest: bool = False) -> bool:
+        """Make this dataset's finished records durable. A failed write pauses the dataset (its
+        records stay in memory) until a later try, with backoff, succeeds."""
+        try:
+            await self.store.flush(force_manifest=force_manifest)
+        except WriteFailed as exc:
+            self._storage_failed(self.shared.redact(str(exc)))
+            return False
+        if self.storage_error is not None:
+            self._storage_recovered()
+        return True
+
+    def _storage_failed(self, message: str) -> None:
         """A save failed: stop issuing (what is in flight finishes into memory) and retry later."""
         self._storage_failures += 1
-        self._storage_retry_at = self.engine.clock() + min(
+        self._storage_retry_at = self.shared.clock() + min(
             _STORAGE_RETRY_MAX_S, 0.25 * 2 ** min(self._storage_failures, 16)
         )  # (a float of 2**1024 overflows)
         if message != self.storage_error:
-            self.engine.log(
+            self._log(
                 "error",
                 f"{self.config.name}: cannot save: {message}; paused with {self.store.buffered()} finished records in memory, retrying",
-                self.config.name,
             )
         self.storage_error = message
         if not self.state.terminal:
             self.reason = f"cannot save: {message}"
             self.state = DatasetState.PAUSED
-            self.engine.publish(self.progress())
+            self.shared.host.publish(self.progress())
 
-    def storage_recovered(self) -> None:
-        self.engine.log("info", f"{self.config.name}: saving again after {self._storage_failures} failed tries; resumed", self.config.name)
+    def _storage_recovered(self) -> None:
+        self._log("info", f"{self.config.name}: saving again after {self._storage_failures} failed tries; resumed")
         self.storage_error, self._storage_failures = None, 0
         if not self.state.terminal:
             self.reason = ""
@@ -283,37 +326,34 @@ class DatasetRunner:
         self.wake()
 
     def storage_retry_due(self) -> bool:
-        return self.storage_error is None or self.engine.clock() >= self._storage_retry_at
+        return self.storage_error is None or self.shared.clock() >= self._storage_retry_at
 
     async def _save_before_finishing(self) -> None:
         """Everything this dataset finished is saved before it ends, however long the disk
         stays full; a kill ends the wait (the unsaved records are made again on resume)."""
-        while not await self.engine.save(self, force_manifest=True):
+        while not await self.save(force_manifest=True):
             if self._stopping:
                 if dropped := self.store.discard_unsaved():
-                    self.engine.log(
-                        "error", f"{self.config.name}: {dropped} finished records not saved; a resume makes them again", self.config.name
-                    )
+                    self._log("error", f"{self.config.name}: {dropped} finished records not saved; a resume makes them again")
                 self.storage_error, self._storage_failures = None, 0  # nothing left to save: a restart tries the disk afresh
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wait(), max(0.05, self._storage_retry_at - self.engine.clock()))
+                await asyncio.wait_for(self._wait(), max(0.05, self._storage_retry_at - self.shared.clock()))
 
     # ---- state --------------------------------------------------------------------------------
     def _set(self, state: DatasetState) -> None:
         if state != self.state:
             self.state = state
-            self.engine.publish(self.progress())
+            self.shared.host.publish(self.progress())
 
-    def _finish(self, state: DatasetState, reason: str) -> None:
-        self.reason = reason
+    def _finish(self, state: DatasetState, stop: StopReason, detail: str = "") -> None:
+        reason = detail or stop.value
         if state == DatasetState.DONE and self.store.accepted.tokens > self.budget:
             reason += f", overshoot {format_tokens(self.store.accepted.tokens - self.budget)} tokens"
-            self.reason = reason
-        self.state = state
-        self.engine.publish(self.progress())
+        self.state, self.reason, self.stopped_by = state, reason, stop
+        self.shared.host.publish(self.progress())
         level = "error" if state == DatasetState.FAILED else "info"
-        self.engine.log(level, f"{self.config.name}: {state.value} ({reason})", self.config.name)
+        self._log(level, f"{self.config.name}: {state.value} ({reason})")
 
     def progress(self) -> DatasetProgress:
         totals = self.store.accepted
@@ -340,4 +380,5 @@ class DatasetRunner:
             cost=round(totals.cost, 6),
             reasoning_tokens=totals.reasoning_tokens,
             reason=self.reason,
+            stopped_by=self.stopped_by if self.state.terminal else None,
         )

@@ -1,0 +1,73 @@
+"""The lines generate writes: a record per reply the target wrote (data.jsonl), a failure per
+row that could not be made (failed.jsonl). Both name the dataset and the source position, so a
+record can always be traced back to its prompt."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pipeline.generate.client import Completion
+from pipeline.generate.sources import BadLine, Prompt
+
+__all__ = ["bad_line_record", "failed_request_record", "generated_record"]
+
+
+def generated_record(
+    prompt: Prompt,
+    dataset: str,
+    conversation: list[dict[str, Any]],
+    completion: Completion,
+    written: list[int],
+    *,
+    model: str,
+    thinking: str,
+) -> dict[str, Any]:
+    record = {
+        "id": prompt.prompt_id,
+        "conversations": conversation,
+        "target_turns": written,  # the replies the target wrote: the only ones trained on
+        "dataset": dataset,
+        "source_offset": prompt.offset,
+        "source_line": prompt.line,
+        "finish_reason": completion.finish_reason,
+        "truncated": completion.finish_reason == "length",
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": completion.completion_tokens,
+        "usage_source": completion.usage_source,
+        "endpoint": completion.endpoint,
+        "model": model,
+        "latency_s": round(completion.latency_s, 4),
+        "attempts": completion.attempts,
+        "cost": completion.cost,
+        "thinking": thinking,  # drop: the reasoning is kept here but not trained on
+        "reasoning_tokens": completion.reasoning_tokens,
+        "finished_at": round(time.time(), 3),
+    }
+    if completion.token_ids is not None:
+        record["completion_token_ids"] = list(completion.token_ids)
+    return record
+
+
+def failed_request_record(prompt: Prompt, dataset: str, reason: str, attempts: int | None) -> dict[str, Any]:
+    return {
+        "id": prompt.prompt_id,
+        "kind": "request",
+        "dataset": dataset,
+        "source_offset": prompt.offset,
+        "source_line": prompt.line,
+        "reason": reason,
+        "attempts": attempts,
+    }
+
+
+def bad_line_record(item: BadLine, dataset: str) -> dict[str, Any]:
+    return {
+        "id": f"line:{item.line}",
+        "kind": "bad_line",
+        "dataset": dataset,
+        "source_offset": item.offset,
+        "source_line": item.line,
+        "field": item.field,
+        "reason": item.message,
+    }
