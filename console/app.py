@@ -9,7 +9,7 @@ import signal
 from collections.abc import Iterable
 from functools import partial
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from textual import events
 from textual.app import App, ComposeResult, SystemCommand
@@ -37,7 +37,7 @@ THEMES = {"dark": "textual-dark", "light": "textual-light"}
 COMMAND_TIMEOUT_S = 10.0  # an engine answers in milliseconds; this long means it is stuck or gone
 
 
-def theme_css(theme: str) -> list[Path]:
+def theme_css(theme: str) -> list[str | PurePath]:
     if theme not in THEMES:
         raise UsageError(f"unknown theme {theme!r}; choose from {', '.join(THEMES)}")
     # console.themes is themes/ in a checkout and console/themes/ in a wheel: either way files on

@@ -13,7 +13,7 @@ from pathlib import Path
 from pipeline.config import load_run, parse_tokens
 from pipeline.errors import EagleOpsError
 from pipeline.protocol.control import ControlClient, ControlError, find_sockets, runtime_dir
-from pipeline.protocol.events import DatasetProgress, Kill, Pause, Resume, SetBudget
+from pipeline.protocol.events import Command, DatasetProgress, Kill, Pause, Resume, SetBudget
 from pipeline.protocol.report import detail_text, format_event, json_line, status_line
 
 EXIT_USAGE = 2
@@ -125,7 +125,7 @@ async def _remote(args: argparse.Namespace) -> int:
                 tokens = parse_tokens(args.tokens)
             except ValueError as exc:
                 return _die(str(exc), EXIT_USAGE)
-            command = SetBudget(args.dataset, tokens)
+            command: Command = SetBudget(args.dataset, tokens)
         else:
             command = {"pause": Pause, "resume": Resume, "kill": Kill}[args.command](args.dataset)
         ack = await client.send(command)

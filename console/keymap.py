@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 from rich.markup import escape
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 
 __all__ = ["APP_KEYS", "DATASET_KEYS", "KEYMAP", "Key", "bindings", "help_markup", "help_rows", "markdown_table"]
 
@@ -80,7 +80,7 @@ APP_KEYS = (
 KEYMAP = DATASET_KEYS + APP_KEYS
 
 
-def bindings(keys: tuple[Key, ...]) -> list[Binding]:
+def bindings(keys: tuple[Key, ...]) -> list[BindingType]:
     # the footer's own key glyphs (⏎ for Enter) are not ASCII; ours are where they can be
     return [Binding(k.key, k.action, k.label, show=k.in_footer, key_display=k.shown_as if k.shown_as.isascii() else None) for k in keys]
 

@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.demo.tinymodel import build_tiny_model, sample_text
 from pipeline.servers.launch import start_server
@@ -31,7 +32,7 @@ DATASETS = (
 def write_demo_datasets(directory: Path, *, count: int = 300, seed: int = 1) -> None:
     rng = random.Random(seed)
     directory.mkdir(parents=True, exist_ok=True)
-    rows = {
+    rows: dict[str, list[Any]] = {
         "sharegpt.jsonl": [
             {
                 "id": f"sg-{i}",

@@ -92,15 +92,15 @@ async def _print_loop(engine: Engine, out: TextIO, as_json: bool, every_s: float
             before = printed.get(event.name)
             if before is None or before[1] != event.state or (line != before[0] and now - before[2] >= every_s):
                 printed[event.name] = (line, event.state, now)
-                out.write(format_event(event) + "\n")
+                out.write(f"{format_event(event)}\n")
                 out.flush()
         elif isinstance(event, StageProgress):
             if time.monotonic() - last_stage_print >= every_s or event.done >= event.total:
                 last_stage_print = time.monotonic()
-                out.write(format_event(event) + "\n")
+                out.write(f"{format_event(event)}\n")
                 out.flush()
-        elif (line := format_event(event)) is not None and event.kind != "endpoint":
-            out.write(_wrapped(line) + "\n")
+        elif (text := format_event(event)) is not None and event.kind != "endpoint":
+            out.write(_wrapped(text) + "\n")
             out.flush()
     if latest:
         out.write("summary:\n")

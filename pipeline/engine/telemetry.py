@@ -83,7 +83,7 @@ class NvmlReader:
         count = _na(nvml.nvmlDeviceGetCount)
         if count is None:
             return GpuStats(gpus=(), error="NVML failed to count GPUs")
-        gpus = []
+        gpus: list[tuple] = []
         for i in range(count):
             handle = _na(nvml.nvmlDeviceGetHandleByIndex, i)
             if handle is None:
@@ -229,7 +229,7 @@ async def telemetry_loop(
     """GPUs and host every tick; servers' /metrics every few ticks. Never on the event loop's
     critical path: NVML and psutil run in a thread, scrapes are plain async requests. Each
     reading goes to ``on_reading`` under a key that a newer reading of the same thing replaces."""
-    previous: dict[str, object] = {}
+    previous: dict[str, _Previous | None] = {}
     tick = 0
     while True:
         try:

@@ -13,6 +13,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,9 +143,9 @@ class ChatClient:
         self.rng = rng or random.Random()
         self.redact = redact or Redactor([])
         self.max_reply_bytes = int(retry.max_reply_mb * 2**20)
-        self.on_warning = None  # callable(message: str): a server's numbers not trusted
+        self.on_warning: Callable[[str], None] | None = None  # a server's numbers not trusted
         self._timeout = aiohttp.ClientTimeout(total=retry.timeout_s, sock_connect=min(30.0, retry.timeout_s))
-        self.on_retry = None  # callable(endpoint: str, reason: str, delay: float), for the log
+        self.on_retry: Callable[[str, str, float], None] | None = None  # (endpoint, reason, delay), for the log
 
     def _body(self, endpoint: EndpointState, messages: tuple[dict[str, Any], ...], thinking: str) -> bytes:
         ep = endpoint.config

@@ -61,7 +61,7 @@ class FaultServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/admin/stats", self.admin_stats)
         app.router.add_post("/admin/reset", self.admin_reset)
-        app.router.add_get("/health", lambda r: web.Response(text="ok"))
+        app.router.add_get("/health", _healthy)
         return app
 
     async def models(self, request: web.Request) -> web.Response:
@@ -249,3 +249,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+async def _healthy(request: web.Request) -> web.Response:
+    return web.Response(text="ok")

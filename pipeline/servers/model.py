@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -47,10 +48,11 @@ class ModelServer:
         if threads:
             torch.set_num_threads(threads)
         self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)  # transformers' own types are too loose to check against
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.model = model.to(self.device).eval()
         self.name = name or os.path.basename(os.path.normpath(model_dir))
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.max_batch = max_batch
@@ -66,7 +68,7 @@ class ModelServer:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/health", lambda r: web.Response(text="ok"))
+        app.router.add_get("/health", _healthy)
         return app
 
     async def models(self, request: web.Request) -> web.Response:
@@ -183,7 +185,7 @@ class ModelServer:
                 return torch.full((ids.shape[0],), gone, dtype=torch.bool, device=ids.device)
 
         sample = batch[0].temperature > 0
-        kwargs = {"do_sample": sample}
+        kwargs: dict[str, Any] = {"do_sample": sample}
         if sample:
             kwargs.update(temperature=batch[0].temperature, top_p=batch[0].top_p, top_k=0)
         with torch.inference_mode():
@@ -235,3 +237,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+async def _healthy(request: web.Request) -> web.Response:
+    return web.Response(text="ok")

@@ -28,7 +28,7 @@ from pipeline.errors import ConfigError, RunError
 __all__ = ["LOOPBACK", "ServerFailed", "SupervisedServer", "checked_python", "free_port", "stop_group"]
 
 LOOPBACK = "127.0.0.1"
-Log = Callable[[str, str], None]  # (level, message)
+Log = Callable[[str, str], object]  # (level, message); what it returns is ignored
 
 
 class ServerFailed(RunError):
@@ -75,7 +75,7 @@ class SupervisedServer:
         max_restarts: int = 5,
         backoff_s: float = 2.0,
         health_path: str = "/health",
-        on_failed: Callable[[str], None] = lambda reason: None,
+        on_failed: Callable[[str], object] = lambda reason: None,
     ):
         self.name, self._argv, self.log_path, self._log = name, argv, log_path, log
         self._env = {**os.environ, **(env or {})}

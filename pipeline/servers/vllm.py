@@ -64,7 +64,7 @@ def vllm_server(
     log: Log,
     startup_timeout_s: float = 900.0,
     max_restarts: int = 3,
-    on_failed: Callable[[str], None] = lambda reason: None,
+    on_failed: Callable[[str], object] = lambda reason: None,
 ) -> SupervisedServer:
     return SupervisedServer(
         "vllm", launch.argv, log_path=log_path, log=log, env=launch.env,

@@ -59,7 +59,7 @@ class HiddenStateCapture:
         _, hooks = getattr(self, "_eagleops", ({}, []))
         for hook in hooks:
             hook.remove()
-        self._eagleops: tuple[dict[str, list[torch.Tensor]], list[Any]] = ({}, [])
+        self._eagleops = ({}, [])
         return "stopped"
 
 

@@ -26,7 +26,7 @@ class StageKilled(Exception):
 
 
 class StageContext:
-    def __init__(self, stage: str, emit: Callable[[Event], None] | None = None, *, rank: int = 0):
+    def __init__(self, stage: str, emit: Callable[[Event], object] | None = None, *, rank: int = 0):
         self.stage = stage
         self._emit = emit
         self.rank = rank
