@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     serve_forever(server.app(), args.host, args.port, args.port_file)
 
 
-if __name__ == "__main__":
-    main()
-
-
 async def _healthy(request: web.Request) -> web.Response:
     return web.Response(text="ok")
+
+
+if __name__ == "__main__":
+    main()
