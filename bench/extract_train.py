@@ -30,9 +30,9 @@ from pipeline.demo.demo import TINY_PRETRAIN_STEPS
 from pipeline.demo.tinymodel import build_tiny_model, sample_text
 from pipeline.training.artifacts import load_prepared
 from pipeline.training.context import StageContext
-from pipeline.training.extract import length_batches, pad_batch
-from pipeline.training.prepare import prepare
-from pipeline.training.target import load_target
+from pipeline.training.extract.hf import length_batches, pad_batch
+from pipeline.training.modeling.target import load_target
+from pipeline.training.prepare.stage import prepare
 
 
 def _conversations(path: Path, n: int) -> None:

@@ -70,10 +70,10 @@ def build_target(args, device, dtype):
 def check_extract(args, model, device, dtype):
     import torch
 
-    from pipeline.training.drafter import eagle3_aux_layers
-    from pipeline.training.extract import forward_features
+    from pipeline.training.extract.hf import forward_features
+    from pipeline.training.modeling.layers import default_aux_layers
 
-    aux_layers = eagle3_aux_layers(args.layers)
+    aux_layers = default_aux_layers(args.layers)
     batch = max(1, args.tokens // args.seq)
     ids = [torch.randint(0, args.vocab, (args.seq,)) for _ in range(batch)]
     forward_features(model, ids[:1], aux_layers, device, dtype)  # warm-up: kernels, allocator
@@ -108,8 +108,9 @@ def _mfu(flops_per_s: float) -> None:
 def check_train(args, model, config, aux_layers, aux, final, device, dtype):
     import torch
 
-    from pipeline.training.drafter import Eagle3Drafter, drafter_config_from_target
-    from pipeline.training.train import Eagle3Objective
+    from pipeline.training.modeling.drafter import Eagle3Drafter
+    from pipeline.training.modeling.drafter_config import drafter_config_from_target
+    from pipeline.training.train.loss import Eagle3Objective
 
     draft = min(args.draft_vocab, args.vocab)
     drafter = Eagle3Drafter(drafter_config_from_target(config, draft_vocab_size=draft, aux_layers=aux_layers)).to(device)

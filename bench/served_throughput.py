@@ -36,7 +36,7 @@ from pipeline.demo.tinymodel import build_tiny_model, sample_text
 from pipeline.engine import Engine
 from pipeline.servers import vllm_capture
 from pipeline.servers.vllm import VllmLaunch, complete_ids, vllm_python, vllm_server
-from pipeline.training.served_extract import EXTENSION, _rpc
+from pipeline.training.extract.served import EXTENSION, _rpc
 
 WORK = Path(__file__).resolve().parent / "_work" / "served"
 CPU_FLAGS = ("--optimization-level", "0", "--gpu-memory-utilization", "0.3")

@@ -18,8 +18,8 @@ import torch
 from pipeline.engine import Engine
 from pipeline.protocol.events import StageStatus
 from pipeline.training.context import StageContext, StageKilled
-from pipeline.training.prepare import tokenize_conversation
-from pipeline.training.vocab import build_draft_vocab
+from pipeline.training.prepare.chat_template import tokenize_conversation
+from pipeline.training.prepare.vocab import build_draft_vocab
 
 from .conftest import KillAt
 from .conftest import ml_config as _config
@@ -95,7 +95,7 @@ def test_prepare_takes_pre_tokenized_extra_sets(workdir, tiny_model):
     with_extra = _stage(_config(workdir, tiny_model, prepare={"extra": [str(extra)]}), "prepare")
     assert with_extra.samples == plain.samples + 7
     extra.write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
-    from pipeline.training.prepare import PrepareError
+    from pipeline.training.prepare.chat_template import PrepareError
 
     with pytest.raises(PrepareError, match=r"extra.jsonl:1: input_ids and loss_mask must be integer lists of equal length"):
         _stage(_config(workdir, tiny_model, prepare={"extra": [str(extra)], "seed": 1}), "prepare")
@@ -106,7 +106,7 @@ def test_bad_generated_line_names_file_and_line(workdir, tiny_model):
     config = _config(workdir, tiny_model)
     with open(workdir / "out" / "B2" / "data.jsonl", "a") as f:
         f.write('{"id": "x", "conversations": [{"role": "user", "content": "hi"}]}\n')
-    from pipeline.training.prepare import PrepareError
+    from pipeline.training.prepare.chat_template import PrepareError
 
     with pytest.raises(PrepareError, match=r"B2/data.jsonl:\d+: conversations: conversations must end with an assistant turn"):
         _stage(config, "prepare")
@@ -141,8 +141,8 @@ def test_extracted_states_equal_a_direct_forward(workdir, tiny_model):
 @pytest.mark.slow
 def test_device_map_spreads_the_target_and_computes_the_same(tiny_model):
     from pipeline.config import TargetConfig
-    from pipeline.training.extract import forward_features
-    from pipeline.training.target import load_target
+    from pipeline.training.extract.hf import forward_features
+    from pipeline.training.modeling.target import load_target
 
     rows = [torch.tensor([1, 5, 9, 33, 7]), torch.tensor([1, 8, 2])]
     plain, device, _ = load_target(TargetConfig(model=tiny_model))
@@ -223,7 +223,7 @@ def test_torchrun_two_processes_on_cpu(workdir, tiny_model):
 def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
     from safetensors import safe_open
 
-    from pipeline.training.evaluate import evaluate
+    from pipeline.training.eval.stage import evaluate
 
     config = _config(workdir, tiny_model)
     engine = Engine(config, stages=("prepare", "extract", "train", "export", "eval"))
@@ -270,7 +270,7 @@ def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
 
 
 def test_the_target_head_in_chunks_equals_the_whole_head():
-    from pipeline.training.train import target_top_and_draft_probs
+    from pipeline.training.train.loss import target_top_and_draft_probs
 
     generator = torch.Generator().manual_seed(0)
     final = torch.randn(2, 9, 16, generator=generator)
@@ -299,7 +299,7 @@ def moe_target(tmp_path_factory) -> Path:
 def test_a_deepseek_v3_moe_target_goes_through_every_stage(workdir, moe_target):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.training.target import head_and_embeddings
+    from pipeline.training.modeling.target import head_and_embeddings
 
     assert json.loads((moe_target / "config.json").read_text())["model_type"] == "deepseek_v3"
     assert len(json.loads((moe_target / "model.safetensors.index.json").read_text())["weight_map"]) > 20  # sharded
@@ -333,7 +333,7 @@ def test_tensorboard_reads_our_event_files(tmp_path):
 
 
 def test_fp8_features_take_half_the_bytes_and_read_back_close(workdir, tiny_model, tmp_path_factory):
-    from pipeline.training.features import FeatureShards
+    from pipeline.training.features.reader import FeatureShards
 
     other = tmp_path_factory.mktemp("fp8")
     shutil.copytree(workdir / "data", other / "data")

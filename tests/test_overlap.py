@@ -237,7 +237,7 @@ def test_a_two_rank_fsdp_train_follows_an_extract_process(reference, tiny_model,
 def test_a_following_train_takes_no_index_of_other_features(tmp_path):
     from pipeline.training.artifacts import FeaturesIndex
     from pipeline.training.context import StageKilled
-    from pipeline.training.features import FeatureShards
+    from pipeline.training.features.reader import FeatureShards
 
     from .conftest import KillAt
 

@@ -8,7 +8,7 @@ import sys
 
 from pipeline.config import parse_run
 from pipeline.training.context import StageContext
-from pipeline.training.served_eval import evaluate_sglang
+from pipeline.training.eval.served import evaluate_sglang
 
 FAKE = """
 import json, sys

@@ -107,7 +107,7 @@ def tokenizer(tiny_model):
 
 @pytest.mark.slow
 def test_kept_thinking_is_rendered_by_the_template_and_trained_on(tokenizer):
-    from pipeline.training.prepare import tokenize_samples
+    from pipeline.training.prepare.chat_template import tokenize_samples
 
     messages = [{"role": "user", "content": "add two and two"}, {"role": "assistant", "content": "four", "reasoning_content": THOUGHT}]
     [(ids, mask, _)] = tokenize_samples(tokenizer, messages, 4096)
@@ -116,7 +116,8 @@ def test_kept_thinking_is_rendered_by_the_template_and_trained_on(tokenizer):
 
 @pytest.mark.slow
 def test_dropped_thinking_is_not_trained_on(tokenizer):
-    from pipeline.training.prepare import _turn, tokenize_samples
+    from pipeline.training.prepare.chat_template import tokenize_samples
+    from pipeline.training.prepare.inputs import _turn
 
     reply = {"role": "assistant", "content": "four", "reasoning_content": THOUGHT}
     messages = [{"role": "user", "content": "add two and two"}, _turn(reply, keep_thinking=False)]
@@ -126,7 +127,7 @@ def test_dropped_thinking_is_not_trained_on(tokenizer):
 
 @pytest.mark.slow
 def test_a_template_that_drops_earlier_thinking_gives_that_turn_a_sample_of_its_own(tokenizer):
-    from pipeline.training.prepare import tokenize_samples
+    from pipeline.training.prepare.chat_template import tokenize_samples
 
     messages = [
         {"role": "user", "content": "add two and two"},
@@ -142,7 +143,7 @@ def test_a_template_that_drops_earlier_thinking_gives_that_turn_a_sample_of_its_
 
 @pytest.mark.slow
 def test_a_template_that_keeps_thinking_in_the_content_gets_it_inline(tokenizer):
-    from pipeline.training.prepare import tokenize_samples
+    from pipeline.training.prepare.chat_template import tokenize_samples
 
     inline = (  # no reasoning field: thinking travels inside the content, as <think> blocks
         "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
@@ -160,7 +161,7 @@ def test_a_template_that_keeps_thinking_in_the_content_gets_it_inline(tokenizer)
 
 @pytest.mark.slow
 def test_a_template_that_cannot_render_thinking_is_refused(tokenizer):
-    from pipeline.training.prepare import PrepareError, tokenize_samples
+    from pipeline.training.prepare.chat_template import PrepareError, tokenize_samples
 
     plain = (  # strips thinking wherever it is, as DeepSeek-R1's template does
         "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
@@ -180,7 +181,7 @@ def test_a_template_that_cannot_render_thinking_is_refused(tokenizer):
 
 @pytest.mark.slow
 def test_replies_that_re_tokenise_differently_are_counted(tokenizer):
-    from pipeline.training.prepare import exact_mismatch
+    from pipeline.training.prepare.chat_template import exact_mismatch
 
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cache keeps tokens"}]
     generated = tokenizer.encode("the cache keeps tokens", add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -240,7 +241,7 @@ async def test_tool_calls_pass_through_and_only_the_targets_replies_are_marked(t
 
 @pytest.mark.slow
 def test_prepare_trains_only_on_the_turns_the_target_wrote(tokenizer):
-    from pipeline.training.prepare import tokenize_samples
+    from pipeline.training.prepare.chat_template import tokenize_samples
 
     messages = [
         {"role": "user", "content": "add two and two"},
@@ -254,7 +255,7 @@ def test_prepare_trains_only_on_the_turns_the_target_wrote(tokenizer):
 
 @pytest.mark.slow
 def test_the_generated_ids_replace_a_reply_that_re_tokenises_differently(tokenizer):
-    from pipeline.training.prepare import tokenize_samples, with_exact_reply
+    from pipeline.training.prepare.chat_template import tokenize_samples, with_exact_reply
 
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cache keeps tokens"}]
     rendered = tokenize_samples(tokenizer, messages, 4096)[0]

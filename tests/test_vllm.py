@@ -108,7 +108,7 @@ def test_generate_token_totals_equal_vllm_counters(whole_run, tmp_path):
 
 def test_served_acceptance_equals_the_offline_eval(whole_run):
     """vLLM in fp32 (as the offline eval computes), greedy: the same tokens, the same acceptance."""
-    from pipeline.training.evaluate import evaluate
+    from pipeline.training.eval.stage import evaluate
 
     config, engine = whole_run
     offline = engine.stage_results["eval"]
@@ -159,7 +159,7 @@ def test_features_captured_through_vllm_equal_the_hf_backend(whole_run, tmp_path
     import torch
     from safetensors.torch import load_file
 
-    from pipeline.training.extract import extract
+    from pipeline.training.extract.stage import extract
 
     config, _ = whole_run
     shutil.copytree(config.prepared_dir, tmp_path / "out" / "prepared")

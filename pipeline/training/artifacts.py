@@ -1,5 +1,12 @@
-"""What the ML stages hand each other, typed: the prepared index, the features index, the
-training checkpoint and each stage's result. The JSON on disk is these dataclasses' fields."""
+"""What the ML stages hand each other, typed: the prepared index, the features index with its
+capture layout, the training checkpoint and each stage's result. The JSON on disk is these
+dataclasses' fields.
+
+The capture layout (which target layers were captured, their width, how they are stored) has
+one home: ``features/index.json``, written by extract. The checkpoint and the export carry the
+copy their drafter was trained with, and whoever reads two of them checks that they agree
+(``CaptureLayout.require_match``): a drafter fed other layers than it learned on is wrong
+without failing anywhere."""
 
 from __future__ import annotations
 
@@ -14,6 +21,9 @@ from pipeline.errors import RunError
 from pipeline.files import fsync_dir, write_json_atomic
 
 __all__ = [
+    "DRAFT_VOCAB",
+    "CaptureLayout",
+    "CaptureMismatch",
     "Checkpoint",
     "EvalResult",
     "ExportResult",
@@ -22,10 +32,12 @@ __all__ = [
     "PreparedIndex",
     "PreparedShard",
     "TrainResult",
+    "features_capture",
     "load_prepared",
 ]
 
 INDEX = "index.json"
+DRAFT_VOCAB = "draft_vocab.safetensors"  # in prepared/: written by prepare, read wherever a drafter is built
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -102,6 +114,39 @@ def load_prepared(directory: Path) -> tuple[PreparedIndex, list[tuple[Any, Any]]
     return index, samples
 
 
+class CaptureMismatch(RunError):
+    """Two records of the same run disagree on the capture layout: features extracted again with
+    other layers than a checkpoint or an export was trained on."""
+
+
+@dataclass(frozen=True)
+class CaptureLayout:
+    """What extract captures of the target per token: the outputs of ``aux_layers`` (our 0-based
+    numbering; ``modeling.layers`` converts to each engine's), ``hidden_size`` wide each, stored
+    as ``storage`` ("bf16", or "fp8": e4m3 with a scale per token and layer). ``storage`` is None
+    where a record does not say (an exported drafter's config)."""
+
+    aux_layers: tuple[int, ...]
+    hidden_size: int
+    storage: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"aux_layers": list(self.aux_layers), "hidden_size": self.hidden_size, "storage": self.storage}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CaptureLayout:
+        return cls(tuple(int(i) for i in data["aux_layers"]), int(data["hidden_size"]), data.get("storage"))
+
+    def describe(self) -> str:
+        return f"aux layers {list(self.aux_layers)}, hidden size {self.hidden_size}"
+
+    def require_match(self, source: Path, other: CaptureLayout, other_source: Path, remedy: str) -> None:
+        """Raise ``CaptureMismatch`` naming both records unless a drafter reads the same from
+        both: the same layers at the same width (storage is the features' own affair)."""
+        if (self.aux_layers, self.hidden_size) != (other.aux_layers, other.hidden_size):
+            raise CaptureMismatch(f"{source} has {self.describe()} but {other_source} has {other.describe()}: {remedy}")
+
+
 @dataclass(frozen=True)
 class FeatureShard:
     first_sample: int
@@ -161,17 +206,28 @@ class FeaturesIndex:
     def ordered_shards(self) -> list[tuple[str, FeatureShard]]:
         return sorted(self.shards.items(), key=lambda item: item[1].first_sample)
 
+    @property
+    def capture(self) -> CaptureLayout:
+        return CaptureLayout(tuple(self.aux_layers), self.hidden_size, self.storage)
+
+
+def features_capture(directory: Path) -> tuple[CaptureLayout, Path] | None:
+    """The capture layout of the features in ``directory`` and the file that holds it, if any."""
+    index = FeaturesIndex.read_if_present(directory)
+    return (index.capture, directory / INDEX) if index is not None else None
+
 
 @dataclass
 class Checkpoint:
-    """``train/checkpoint.pt``: drafter weights (no embeddings), optimiser, schedule, position."""
+    """``train/checkpoint.pt``: drafter weights (no embeddings), optimiser, schedule, position, and
+    the capture layout of the features it was trained on."""
 
     drafter: dict[str, Any]
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
     step: int
     history: list[dict[str, Any]]
-    aux_layers: list[int]
+    capture: CaptureLayout
     drafter_config: dict[str, Any]
     global_batch: int = 0  # samples a step, all ranks: a following train resumes at step x this
 
@@ -179,9 +235,12 @@ class Checkpoint:
         import torch
 
         tmp = path.with_name(path.name + ".tmp")
-        # not asdict: it deep-copies every tensor of the optimiser state
+        # not asdict: it deep-copies every tensor of the optimiser state; the layout as plain
+        # data, so a checkpoint does not depend on where this class lives
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        state["capture"] = self.capture.to_json()
         with open(tmp, "wb") as out:
-            torch.save({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, out)
+            torch.save(state, out)
             out.flush()
             os.fsync(out.fileno())  # durable before anything acts on it (a bounded train deletes shards next)
         os.replace(tmp, path)
@@ -194,6 +253,10 @@ class Checkpoint:
         if not path.exists():
             raise RunError(f"{path}: no checkpoint; run train first")
         state = torch.load(path, map_location=map_location, weights_only=False)
+        if "capture" in state:
+            state["capture"] = CaptureLayout.from_json(state["capture"])
+        else:  # saved before the layout had a type: its layers and the drafter's input width
+            state["capture"] = CaptureLayout(tuple(state.pop("aux_layers")), int(state["drafter_config"]["target_hidden_size"]))
         return cls(**{f.name: state[f.name] for f in dataclasses.fields(cls) if f.name in state})
 
 

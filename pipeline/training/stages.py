@@ -9,11 +9,11 @@ __all__ = ["import_for_concurrent_stages", "stage_functions"]
 
 
 def stage_functions() -> dict[str, Callable[..., Any]]:
-    from pipeline.training.evaluate import evaluate
-    from pipeline.training.export import export
-    from pipeline.training.extract import extract
-    from pipeline.training.prepare import prepare
-    from pipeline.training.train import train
+    from pipeline.training.eval.stage import evaluate
+    from pipeline.training.export.stage import export
+    from pipeline.training.extract.stage import extract
+    from pipeline.training.prepare.stage import prepare
+    from pipeline.training.train.loop import train
 
     return {"prepare": prepare, "extract": extract, "train": train, "export": export, "eval": evaluate}
 

@@ -143,7 +143,7 @@ def _wandb_run(directory: Path, project: str, run_name: str, config: dict[str, A
         id_file.write_text(os.urandom(6).hex() + "\n")
     run_id = id_file.read_text().strip()
     # a mode the user set wins; otherwise online only with a key to go online with
-    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    mode: Any = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     # silent and no console capture: wandb's lines would tear the console's screen
     settings = wandb.Settings(silent=True, console="off")
     return wandb.init(

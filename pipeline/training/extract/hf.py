@@ -1,4 +1,5 @@
-"""extract: run the target over every prepared sample and keep what EAGLE-3 trains on.
+"""extract's HF backend: the target in transformers, over every prepared sample, keeping what
+EAGLE-3 trains on.
 
 Per token: ``input_ids``, ``loss_mask``, the three auxiliary hidden states (3H) and the final
 hidden state (H, what the target's lm_head reads: training recomputes the target's distribution
@@ -21,11 +22,13 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext
-from pipeline.training.feature_cache import StallWatch, room_for_shard
-from pipeline.training.features import ExtractRates, extract_metrics, open_features_index, shards_to_do, write_feature_shard
-from pipeline.training.target import load_target, require_target, target_shape
+from pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
+from pipeline.training.features.cache import StallWatch, room_for_shard
+from pipeline.training.features.shards import write_feature_shard
+from pipeline.training.modeling.layers import engine_layer_ids
+from pipeline.training.modeling.target import load_target, require_target, target_shape
 
-__all__ = ["extract", "forward_features", "length_batches", "pad_batch"]
+__all__ = ["extract_hf", "forward_features", "length_batches", "pad_batch"]
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -65,7 +68,7 @@ def forward_features(model, input_ids_list, aux_layers, device, dtype=None):
     with torch.inference_mode():
         out = model.model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, use_cache=False)
         hidden = out.hidden_states  # [embeddings, layer 0 out, ..., layer N-1 out (post-norm)]
-        aux = torch.cat([hidden[layer + 1] for layer in aux_layers], dim=-1)
+        aux = torch.cat([hidden[i] for i in engine_layer_ids(aux_layers, "hf")], dim=-1)
         final = out.last_hidden_state
         if dtype is not None:
             aux, final = aux.to(dtype), final.to(dtype)
@@ -107,11 +110,7 @@ def _compute_shard(
     return offsets, aux_out, final_out
 
 
-def extract(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
-    if config.extract.backend == "vllm":
-        from pipeline.training.served_extract import extract_served
-
-        return extract_served(config, ctx)
+def extract_hf(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     target = require_target(config)
     prepared, samples = load_prepared(config.prepared_dir)
     out = config.features_dir

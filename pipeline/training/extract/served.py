@@ -1,4 +1,4 @@
-"""extract with ``backend = "vllm"``: the target runs in vLLM (tensor, pipeline and data parallel
+"""extract's vLLM backend (``backend = "vllm"``): the target runs in vLLM (tensor, pipeline and data parallel
 as [serve] says) and a worker extension of ours hooks its decoder layers; no transformers copy of
 the target is ever loaded here. Shards, index, resume and metrics are the HF backend's own.
 
@@ -23,9 +23,10 @@ from pipeline.servers import vllm_capture
 from pipeline.servers.vllm import complete_ids, launch_for, vllm_server
 from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext, serving
-from pipeline.training.feature_cache import StallWatch, room_for_shard
-from pipeline.training.features import ExtractRates, extract_metrics, open_features_index, shards_to_do, write_feature_shard
-from pipeline.training.target import target_shape
+from pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
+from pipeline.training.features.cache import StallWatch, room_for_shard
+from pipeline.training.features.shards import write_feature_shard
+from pipeline.training.modeling.target import target_shape
 
 __all__ = ["extract_served"]
 

@@ -27,81 +27,14 @@ from torch import nn
 
 from pipeline.config import RunConfig
 from pipeline.errors import InputError
-from pipeline.training.target import head_and_embeddings, require_target
+from pipeline.training.artifacts import DRAFT_VOCAB
+from pipeline.training.modeling.drafter_config import drafter_config_from_target
+from pipeline.training.modeling.target import head_and_embeddings, require_target
 
-__all__ = [
-    "EXPORTED_PREFIXES",
-    "DraftCache",
-    "Eagle3Drafter",
-    "build_drafter",
-    "drafter_config_from_target",
-    "eagle3_aux_layers",
-    "load_exported",
-    "sglang_aux_layer_ids",
-    "vllm_aux_layer_ids",
-]
+__all__ = ["EXPORTED_PREFIXES", "DraftCache", "Eagle3Drafter", "build_drafter", "load_exported"]
 
 # what a server loads from an export: the target supplies the embeddings
 EXPORTED_PREFIXES = ("midlayer.", "fc.", "norm.", "lm_head.", "d2t", "t2d")
-
-
-def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """Outputs of layers [1, N//2 - 1, N - 4] (0-based), as EAGLE-3 and SpecForge pick them."""
-    layers = (1, num_layers // 2 - 1, num_layers - 4)
-    if min(layers) < 0 or len(set(layers)) < 3:
-        # tiny targets: spread three distinct layers as evenly as the depth allows
-        layers = tuple(sorted({max(0, min(num_layers - 1, round(x))) for x in (num_layers * 0.15, num_layers * 0.5, num_layers * 0.85)}))
-        if len(layers) < 3:
-            raise InputError(f"a target with {num_layers} layers is too shallow for three auxiliary layers")
-    return layers  # type: ignore[return-value]
-
-
-def sglang_aux_layer_ids(aux_layers: tuple[int, ...]) -> list[int]:
-    """SGLang's ids for the outputs of our (0-based) aux layers: the same numbers."""
-    return list(aux_layers)
-
-
-def vllm_aux_layer_ids(aux_layers: tuple[int, ...]) -> list[int]:
-    """vLLM's ids for the outputs of our aux layers: it names a layer's input, so each + 1."""
-    return [layer + 1 for layer in aux_layers]
-
-
-def drafter_config_from_target(target_config: Any, *, draft_vocab_size: int, aux_layers: tuple[int, ...]) -> Any:
-    """A LlamaConfig for the drafter: the target's attention geometry, one layer, the draft vocab.
-
-    Saved as the export's config.json. The two servers count the capture layers differently and
-    each reads its own key: SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` and
-    captures the *output* of layer j (it adds 1 itself); vLLM reads the top-level key first and
-    captures the *input* of layer j (the output of layer j - 1), so it gets ours + 1.
-    """
-    from transformers import LlamaConfig
-
-    text = getattr(target_config, "text_config", None) or target_config
-    rope = getattr(text, "rope_parameters", None) or {}
-    config = LlamaConfig(
-        vocab_size=text.vocab_size,
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        num_hidden_layers=1,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-        hidden_act=getattr(text, "hidden_act", "silu"),
-        max_position_embeddings=text.max_position_embeddings,
-        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-        bos_token_id=getattr(text, "bos_token_id", None),
-        eos_token_id=getattr(text, "eos_token_id", None),
-        pad_token_id=getattr(text, "pad_token_id", None),
-        tie_word_embeddings=False,
-    )
-    if rope:
-        config.rope_parameters = dict(rope)
-    config.architectures = ["LlamaForCausalLMEagle3"]
-    config.draft_vocab_size = draft_vocab_size
-    config.target_hidden_size = text.hidden_size
-    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": sglang_aux_layer_ids(aux_layers), "use_aux_hidden_state": True}
-    config.eagle_aux_hidden_state_layer_ids = vllm_aux_layer_ids(aux_layers)
-    return config
 
 
 class RMSNorm(nn.Module):
@@ -218,6 +151,9 @@ class MidLayer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
+    d2t: torch.Tensor  # buffers, registered below
+    t2d: torch.Tensor
+
     def __init__(self, config):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -297,7 +233,7 @@ def build_drafter(config: RunConfig, aux_layers: tuple[int, ...], *, seed: int) 
 
     target = require_target(config)
     target_config = AutoConfig.from_pretrained(str(target.model))
-    vocab = load_file(str(config.prepared_dir / "draft_vocab.safetensors"))
+    vocab = load_file(str(config.prepared_dir / DRAFT_VOCAB))
     drafter_config = drafter_config_from_target(target_config, draft_vocab_size=len(vocab["d2t"]), aux_layers=aux_layers)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(drafter_config)

@@ -1,4 +1,4 @@
-"""eval with ``backend = "vllm"`` (or ``"sglang"``): vLLM serves the target with our exported drafter, as it would in
+"""eval's served backends, ``backend = "vllm"`` (or ``"sglang"``): vLLM serves the target with our exported drafter, as it would in
 production, and the acceptance comes from its own spec-decode counters.
 
 The held-out prompts are sent as token ids (rendered by the target's chat template, never
@@ -19,6 +19,7 @@ from pipeline.servers.supervisor import SupervisedServer
 from pipeline.servers.vllm import complete_ids, launch_for, read_metrics, vllm_server
 from pipeline.training.artifacts import EvalResult
 from pipeline.training.context import StageContext, serving
+from pipeline.training.eval.acceptance import acceptance_from_counts
 
 __all__ = ["evaluate_served", "evaluate_sglang"]
 
@@ -57,17 +58,16 @@ def evaluate_served(config: RunConfig, ctx: StageContext, prompts: list[list[int
     ctx.log("info", f"eval: vLLM with the drafter ({k} draft tokens), then without, over {len(prompts)} prompts")
     speculative, deltas, spec_tps = _decode(config, ctx, prompts, spec)
     plain, _, plain_tps = _decode(config, ctx, prompts, None)
-    drafts = deltas.get(_DRAFTS, 0.0)
-    per_position = [deltas.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{j}]", 0.0) for j in range(k)]
-    # vLLM counts drafts whose j-th token was accepted; ours is P(j accepted | j - 1 accepted)
-    reached = [drafts, *per_position]
+    # vLLM counts drafts (verify steps), accepted tokens, and the drafts whose j-th token was accepted
+    accepted_at = [deltas.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{j}]", 0.0) for j in range(k)]
+    acceptance = acceptance_from_counts(deltas.get(_DRAFTS, 0.0), deltas.get(_ACCEPTED, 0.0), accepted_at)
     return EvalResult(
         drafter=str(export_dir),
         prompts=len(prompts),
-        verify_steps=int(drafts),
+        verify_steps=acceptance.verify_steps,
         draft_tokens=k,
-        acceptance_length=round(1 + deltas.get(_ACCEPTED, 0.0) / drafts, 4) if drafts else 0.0,
-        acceptance_rate_per_position=[round(reached[j + 1] / reached[j], 4) if reached[j] else 0.0 for j in range(k)],
+        acceptance_length=acceptance.length,
+        acceptance_rate_per_position=acceptance.rate_per_position,
         greedy_mismatches=sum(a != b for a, b in zip(speculative, plain)),
         backend="vllm",
         tok_per_s=round(spec_tps, 2),
@@ -115,13 +115,14 @@ def evaluate_sglang(config: RunConfig, ctx: StageContext, prompts: list[list[int
     ctx.log("info", f"eval: SGLang with the drafter ({config.eval.draft_tokens} draft tokens), then without, over {len(prompts)} prompts")
     speculative, generated, steps, spec_tps = _sglang_decode(config, ctx, prompts, export_dir)
     plain, _, _, plain_tps = _sglang_decode(config, ctx, prompts, None)
+    acceptance = acceptance_from_counts(steps, generated - steps)  # each step gains its accepted drafts + 1
     return EvalResult(
         drafter=str(export_dir),
         prompts=len(prompts),
-        verify_steps=steps,
+        verify_steps=acceptance.verify_steps,
         draft_tokens=config.eval.draft_tokens,
-        acceptance_length=round(generated / steps, 4) if steps else 0.0,
-        acceptance_rate_per_position=[],
+        acceptance_length=acceptance.length,
+        acceptance_rate_per_position=acceptance.rate_per_position,
         greedy_mismatches=sum(a != b for a, b in zip(speculative, plain)),
         backend="sglang",
         tok_per_s=round(spec_tps, 2),

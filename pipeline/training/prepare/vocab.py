@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
-__all__ = ["build_draft_vocab"]
+from pipeline.training.artifacts import DRAFT_VOCAB
+
+__all__ = ["build_draft_vocab", "write_draft_vocab"]
 
 
 def build_draft_vocab(counts: Counter[int], vocab_size: int, draft_size: int) -> tuple[list[int], list[int], list[bool]]:
@@ -24,3 +27,17 @@ def build_draft_vocab(counts: Counter[int], vocab_size: int, draft_size: int) ->
     for target in chosen:
         t2d[target] = True
     return chosen, d2t, t2d
+
+
+def write_draft_vocab(folder: Path, counts: Counter[int], vocab_size: int, draft_size: int) -> list[int]:
+    import torch
+    from safetensors.torch import save_file
+
+    draft_ids, d2t, t2d = build_draft_vocab(counts, vocab_size, draft_size)
+    tensors = {
+        "d2t": torch.tensor(d2t, dtype=torch.int64),
+        "t2d": torch.tensor(t2d, dtype=torch.bool),
+        "draft_ids": torch.tensor(draft_ids, dtype=torch.int64),
+    }
+    save_file(tensors, str(folder / DRAFT_VOCAB))
+    return draft_ids

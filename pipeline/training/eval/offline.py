@@ -1,0 +1,103 @@
+"""eval's offline backend: the acceptance length of the exported drafter, by real speculative
+decoding with the target in transformers.
+
+On held-out prompts (``prepared/eval.jsonl``): the drafter proposes ``draft_tokens`` tokens in a
+chain (top-1), the target verifies them greedily in one forward pass, the longest agreeing prefix
+is accepted plus the target's own next token (``acceptance`` turns the steps into figures).
+Greedy verification makes the output identical to the target's own greedy decoding, which is
+checked on every prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.config import RunConfig
+from pipeline.training.artifacts import EvalResult, FeaturesIndex
+from pipeline.training.context import StageContext
+from pipeline.training.eval.acceptance import acceptance_from_steps
+from pipeline.training.modeling.drafter import Eagle3Drafter, build_drafter, load_exported
+from pipeline.training.modeling.layers import engine_layer_ids
+from pipeline.training.modeling.target import head_and_embeddings, load_target, require_target
+
+__all__ = ["evaluate_offline", "speculative_generate"]
+
+
+@torch.no_grad()
+def _target_pass(model, ids: list[int], aux_layers, device):
+    out = model(input_ids=torch.tensor([ids], device=device), output_hidden_states=True, use_cache=False)
+    aux = torch.cat([out.hidden_states[i] for i in engine_layer_ids(aux_layers, "hf")], dim=-1)
+    return aux.float(), out.logits[0].argmax(-1).tolist()
+
+
+@torch.no_grad()
+def speculative_generate(
+    model, drafter: Eagle3Drafter, prompt: list[int], *, aux_layers, k: int, max_new_tokens: int, eos: int | None, device
+):
+    """Returns (generated ids, accepted drafts per verify step)."""
+    aux, greedy = _target_pass(model, prompt, aux_layers, device)
+    seq, pending = list(prompt), greedy[-1]  # ``pending``: the target's next token, not yet appended
+    accepted_per_step: list[int] = []
+    generated: list[int] = []
+    while len(generated) < max_new_tokens and pending != eos:
+        tokens = torch.tensor([seq[1:] + [pending]], device=device)
+        drafts = drafter.propose(aux[:, : len(seq)], tokens, k)
+        candidate = seq + [pending] + drafts
+        aux, greedy = _target_pass(model, candidate, aux_layers, device)
+        base = len(seq)  # greedy[base + j] is the target's choice after candidate[: base + j + 1]
+        accepted = 0
+        while accepted < k and drafts[accepted] == greedy[base + accepted]:
+            accepted += 1
+        new = [pending] + drafts[:accepted]
+        accepted_per_step.append(accepted)
+        seq += new
+        generated += new
+        pending = greedy[base + accepted]
+        if eos is not None and eos in new:
+            generated = generated[: generated.index(eos)]
+            break
+    return generated[:max_new_tokens], accepted_per_step
+
+
+@torch.no_grad()
+def _greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None, device) -> list[int]:
+    out = model.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long, device=device),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+    tokens = out[0, len(prompt) :].tolist()
+    if eos is not None and eos in tokens:
+        tokens = tokens[: tokens.index(eos)]
+    return tokens
+
+
+def evaluate_offline(config: RunConfig, ctx: StageContext, prompts: list[list[int]], eos: int | None, *, untrained: bool) -> EvalResult:
+    target = require_target(config)
+    model, device, _ = load_target(target)
+    aux_layers = FeaturesIndex.read(config.features_dir).capture.aux_layers  # the export's too: ``evaluate`` checked
+    if untrained:
+        drafter = build_drafter(config, aux_layers, seed=config.train.seed + 1)
+    else:
+        _, embeddings = head_and_embeddings(target.model)
+        drafter = load_exported(config.export_dir, embeddings)
+    drafter = drafter.to(device).eval()
+    k = config.eval.draft_tokens
+    steps: list[int] = []
+    mismatches = 0
+    for i, prompt in enumerate(prompts):
+        ctx.checkpoint()
+        generated, accepted = speculative_generate(
+            model, drafter, prompt, aux_layers=aux_layers, k=k, max_new_tokens=config.eval.max_new_tokens, eos=eos, device=device
+        )
+        if generated != _greedy(model, prompt, len(generated), eos, device)[: len(generated)]:
+            mismatches += 1
+        steps += accepted
+        ctx.progress(i + 1, len(prompts), "prompts")
+    acceptance = acceptance_from_steps(steps, k)
+    return EvalResult(
+        drafter="untrained" if untrained else str(config.export_dir),
+        prompts=len(prompts),
+        verify_steps=acceptance.verify_steps,
+        draft_tokens=k,
+        acceptance_length=acceptance.length,
+        acceptance_rate_per_position=acceptance.rate_per_position,
+        greedy_mismatches=mismatches,
+    )

@@ -1,0 +1,89 @@
+"""eval: the acceptance length of the exported drafter on the held-out prompts, offline
+(``offline``: transformers) or served (``served``: vLLM or SGLang with the drafter, as in
+production); reported beside the training curves.
+
+The exported drafter reads the target layers its config names; they must be the layers of the
+features extract wrote last, checked before anything loads: a drafter fed other layers than it
+learned on still drafts, only badly, and nothing else would say why."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pipeline.config import RunConfig
+from pipeline.errors import InputError
+from pipeline.training.artifacts import EvalResult, features_capture
+from pipeline.training.context import StageContext
+from pipeline.training.eval.offline import evaluate_offline
+from pipeline.training.modeling.drafter_config import exported_capture
+from pipeline.training.modeling.target import require_target
+from pipeline.training.tracking import Trackers
+
+__all__ = ["evaluate"]
+
+
+def _held_out_prompts(config: RunConfig) -> list[dict[str, Any]]:
+    path = config.prepared_dir / "eval.jsonl"
+    prompts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][: config.eval.prompts]
+    if not prompts:
+        raise InputError(f"{path}: no held-out prompts (prepare.eval_fraction is 0?)")
+    return prompts
+
+
+def _prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def _check_export_against_features(config: RunConfig) -> None:
+    """The export's layers must be the features' (when those are still there to ask)."""
+    found = features_capture(config.features_dir)
+    if found is not None:
+        config_file = config.export_dir / "config.json"
+        exported_capture(config_file).require_match(
+            config_file,
+            found[0],
+            found[1],
+            "the features were extracted again with other layers since this drafter was trained; train and export again",
+        )
+
+
+def _report_acceptance(config: RunConfig, result: EvalResult) -> None:
+    """Beside the training curves: acceptance at the step the drafter was trained to."""
+    history = config.train_dir / "history.jsonl"
+    step = sum(1 for _ in open(history)) if history.exists() else 0
+    trackers = Trackers(config.train_dir, wandb_project=config.train.wandb_project, run_name=config.name)
+    try:
+        trackers.log(step, {"eval/acceptance_length": result.acceptance_length})
+    finally:
+        trackers.close()
+
+
+def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False, backend: str | None = None) -> EvalResult:
+    """Acceptance length on the held-out prompts, by ``backend`` (default: the run file's)."""
+    from transformers import AutoTokenizer
+
+    target = require_target(config)
+    if not untrained:
+        _check_export_against_features(config)
+    tokenizer = AutoTokenizer.from_pretrained(str(target.tokenizer_path))
+    prompts = [_prompt_ids(tokenizer, row["messages"]) for row in _held_out_prompts(config)]
+    chosen = backend or config.eval.backend
+    if chosen in ("vllm", "sglang") and not untrained:
+        from pipeline.training.eval.served import evaluate_served, evaluate_sglang
+
+        serve = evaluate_served if chosen == "vllm" else evaluate_sglang
+        result = serve(config, ctx, prompts, config.export_dir)
+    else:
+        result = evaluate_offline(config, ctx, prompts, tokenizer.eos_token_id, untrained=untrained)
+    if not untrained:
+        (config.output_dir / "eval.json").write_text(json.dumps(result.to_json(), indent=1))
+        _report_acceptance(config, result)
+    ctx.metrics(**result.to_json())
+    per_position, k = result.acceptance_rate_per_position, result.draft_tokens
+    ctx.log(
+        "info",
+        f"eval ({result.backend}): acceptance length {result.acceptance_length:.2f} over {result.verify_steps} verify steps ({k} draft tokens); per position {per_position}",
+    )
+    return result

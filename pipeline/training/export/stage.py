@@ -1,0 +1,84 @@
+"""export: the trained drafter as a directory SGLang (``--speculative-algorithm EAGLE3
+--speculative-draft-model-path DIR``) and vLLM's EAGLE-3 loader read: ``config.json``
+(``LlamaForCausalLMEagle3``, one layer, ``draft_vocab_size``, ``eagle_config``) and
+``model.safetensors`` with ``midlayer.*``, ``fc.weight``, ``norm.weight``, ``lm_head.weight``,
+``d2t``, ``t2d``; no embeddings (the server shares the target's).
+
+Beside it, ``drafter-speculators/``: the same weights in vllm-project/speculators' format
+(``speculators``), which vLLM recognises as a speculator on its own.
+
+The aux layers written are the checkpoint's, which must be those of the features extract wrote
+last: a drafter exported from an older extract's layers would read the wrong hidden states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import RunConfig
+from pipeline.training.artifacts import Checkpoint, ExportResult, features_capture
+from pipeline.training.context import StageContext
+from pipeline.training.export.speculators import speculators_config, speculators_dir, speculators_weights
+from pipeline.training.modeling.drafter import EXPORTED_PREFIXES
+from pipeline.training.modeling.drafter_config import exported_config
+from pipeline.training.modeling.target import require_target
+
+__all__ = ["export"]
+
+
+def _check_against_features(config: RunConfig, checkpoint: Path, state: Checkpoint) -> None:
+    """The checkpoint's layers must be the features' (when they are still there to ask)."""
+    found = features_capture(config.features_dir)
+    if found is not None:
+        features, index_file = found
+        state.capture.require_match(
+            checkpoint,
+            features,
+            index_file,
+            "the features were extracted again with other layers since this train; train again before exporting",
+        )
+
+
+def _write_dir(out: Path, weights: dict[str, torch.Tensor], payload: dict[str, Any]) -> None:
+    """A whole export directory, renamed into place: a server never reads half of one."""
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def export(config: RunConfig, ctx: StageContext, *, dtype: torch.dtype = torch.bfloat16) -> ExportResult:
+    target = require_target(config)
+    checkpoint = config.train_dir / "checkpoint.pt"
+    state = Checkpoint.load(checkpoint)
+    _check_against_features(config, checkpoint, state)
+    weights = {}
+    for key, value in state.drafter.items():
+        if key.startswith(EXPORTED_PREFIXES) and not key.startswith("rotary"):
+            weights[key] = value.to(dtype) if value.is_floating_point() else value.contiguous()
+    server = exported_config(state.drafter_config, state.capture, str(dtype).removeprefix("torch."))
+    out = config.export_dir
+    _write_dir(out, weights, server)
+    _write_dir(
+        speculators_dir(config),
+        speculators_weights(weights),
+        speculators_config(server, state.capture, target.model, config.eval.draft_tokens),
+    )
+    size = (out / "model.safetensors").stat().st_size
+    ctx.metrics(export_dir=str(out), bytes=size, tensors=len(weights), step=state.step)
+    ctx.log(
+        "info",
+        f"export: {out} and {speculators_dir(config).name}/ ({len(weights)} tensors, {size / 2**20:.1f} MiB), trained {state.step} steps",
+    )
+    return ExportResult(str(out), sorted(weights), size)

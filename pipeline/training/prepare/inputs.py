@@ -1,0 +1,102 @@
+"""What prepare reads: every dataset's generated conversations (deduplicated by prompt, turns
+kept as the template needs them) and pre-tokenized extra sets, and the fingerprint of it all
+that tells whether an earlier prepare is still up to date."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import RunConfig
+from pipeline.training.context import StageContext
+from pipeline.training.modeling.target import require_target
+from pipeline.training.prepare.chat_template import PrepareError
+
+__all__ = ["Sample", "fingerprint", "read_conversations", "read_extra"]
+
+Sample = tuple[list[int], list[int]]  # (input_ids, loss_mask)
+
+
+def _prompt_key(messages: list[dict[str, str]]) -> str:
+    prompt = messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
+    return hashlib.blake2b(json.dumps(prompt, sort_keys=True, ensure_ascii=False).encode(), digest_size=12).hexdigest()
+
+
+def _turn(message: dict[str, Any], keep_thinking: bool) -> dict[str, Any]:
+    turn = {"role": message["role"], "content": message["content"]}
+    turn.update({key: message[key] for key in ("tool_calls", "tool_call_id", "name") if key in message})  # for the template
+    if keep_thinking and message.get("reasoning_content"):
+        turn["reasoning_content"] = message["reasoning_content"]
+    return turn
+
+
+def read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict[str, Any]], int]:
+    seen: set[str] = set()
+    rows, duplicates = [], 0
+    for ds in config.datasets:
+        path = config.output_dir / ds.name / "data.jsonl"
+        if not path.exists():
+            ctx.log("warning", f"prepare: {path} missing (dataset {ds.name} not generated); skipped")
+            continue
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                try:
+                    record = json.loads(line)
+                    messages = record["conversations"]
+                    if not isinstance(messages, list) or not messages or messages[-1].get("role") != "assistant":
+                        raise ValueError("conversations must end with an assistant turn")
+                    keep_thinking = record.get("thinking", "keep") == "keep"
+                    messages = [_turn(m, keep_thinking) for m in messages]
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise PrepareError(f"{path}:{line_no}: conversations: {exc}") from None
+                key = _prompt_key(messages)
+                if key in seen:
+                    duplicates += 1
+                    continue
+                seen.add(key)
+                exact = record.get("completion_token_ids")
+                trained = record.get("target_turns")  # absent in older outputs: every assistant turn
+                rows.append(
+                    {
+                        "key": key,
+                        "id": str(record.get("id", key)),
+                        "dataset": ds.name,
+                        "messages": messages,
+                        "exact": exact,
+                        "trained": trained,
+                    }
+                )
+    return rows, duplicates
+
+
+def read_extra(path: Path, max_length: int) -> list[Sample]:
+    samples = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ids, mask = row["input_ids"], row["loss_mask"]
+                if len(ids) != len(mask) or not all(isinstance(i, int) for i in ids):
+                    raise ValueError("input_ids and loss_mask must be integer lists of equal length")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise PrepareError(f"{path}:{line_no}: {exc}") from None
+            samples.append((ids[:max_length], [int(bool(m)) for m in mask[:max_length]]))
+    return samples
+
+
+def fingerprint(config: RunConfig) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    for ds in config.datasets:
+        manifest = config.output_dir / ds.name / "manifest.json"
+        h.update(ds.name.encode())
+        h.update(manifest.read_bytes() if manifest.exists() else b"-")
+    for extra in config.prepare.extra:
+        h.update(str(extra).encode())
+        h.update(str(extra.stat().st_size if extra.exists() else -1).encode())
+    tokenizer = require_target(config).tokenizer_path
+    h.update(json.dumps([str(tokenizer), config.prepare.__dict__], default=str, sort_keys=True).encode())
+    return h.hexdigest()

@@ -1,0 +1,98 @@
+"""The EAGLE-3 training objective with training-time test (TTT).
+
+For a sample of T tokens, position t at TTT step i reads the token x[t+1+i] and must match the
+target's distribution at position t+1+i (what the target predicts for x[t+2+i]), restricted to
+the draft vocabulary, where that next token is an assistant token and the target's top choice
+lies in the draft vocabulary. Step i's loss is weighted ``step_weight**i`` (0.8 in EAGLE-3).
+
+The target's distribution is recomputed from the stored final hidden state and the target's own
+``lm_head`` (read from its safetensors, the rest of the target is never loaded).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.training.modeling.drafter import DraftCache, Eagle3Drafter
+
+__all__ = ["Eagle3Objective", "target_top_and_draft_probs"]
+
+
+def target_top_and_draft_probs(
+    final: torch.Tensor, head: torch.Tensor, draft_head: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the target's top-1 token id over its whole vocabulary, its distribution over the draft
+    vocabulary). The draft probabilities come from the draft rows of the head alone; the top-1
+    is found ``chunk`` vocabulary rows at a time, so a 160k vocabulary never holds [B, T, V]
+    logits at once. Ties go to the lowest id, as argmax over the whole vocabulary does."""
+    probs = torch.softmax((final @ draft_head.to(final.dtype).T).float(), dim=-1)
+    vocab = head.shape[0]
+    step = vocab if chunk <= 0 else chunk
+    best_value: torch.Tensor | None = None
+    best_index = torch.zeros(final.shape[:-1], dtype=torch.long, device=final.device)
+    for start in range(0, vocab, step):
+        value, index = (final @ head[start : start + step].to(final.dtype).T).max(-1)
+        if best_value is None:
+            best_value, best_index = value, index + start
+            continue
+        better = value > best_value  # strictly: an equal value in a later chunk loses, as in argmax
+        best_value = torch.where(better, value, best_value)
+        best_index = torch.where(better, index + start, best_index)
+    return best_index, probs
+
+
+class Eagle3Objective(nn.Module):
+    """Drafter + frozen target head -> TTT loss; the unit DDP wraps (its forward syncs grads)."""
+
+    target_head: torch.Tensor  # buffers, registered below
+    draft_head: torch.Tensor
+
+    def __init__(self, drafter: Eagle3Drafter, target_head: torch.Tensor, *, ttt_length: int, step_weight: float, head_chunk: int = 32768):
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("target_head", target_head, persistent=False)
+        self.register_buffer("draft_head", target_head[drafter.draft_ids], persistent=False)
+        self.ttt_length, self.step_weight, self.head_chunk = ttt_length, step_weight, head_chunk
+
+    @torch.no_grad()
+    def _targets(self, final: torch.Tensor, loss_mask: torch.Tensor, valid_len: torch.Tensor):
+        """Target distribution over the draft vocab per position, and where it may be learned."""
+        top, probs = target_top_and_draft_probs(final, self.target_head, self.draft_head, self.head_chunk)
+        b, t = loss_mask.shape
+        positions = torch.arange(t, device=final.device)[None, :]
+        next_is_assistant = torch.zeros_like(loss_mask, dtype=torch.bool)
+        next_is_assistant[:, :-1] = loss_mask[:, 1:].bool()
+        valid = next_is_assistant & self.drafter.t2d[top] & (positions + 1 < valid_len[:, None])
+        return probs, valid
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        ids, aux, final, loss_mask, lengths = batch["input_ids"], batch["aux"], batch["final"], batch["loss_mask"], batch["lengths"]
+        b, t = ids.shape
+        device = ids.device
+        target_p, valid = self._targets(final, loss_mask, lengths)
+        positions = torch.arange(t, device=device)
+        key_padding = positions[None, :] < lengths[:, None]
+        cache = DraftCache.empty()
+        hidden = self.drafter.fuse(aux)
+        total = hidden.new_zeros(())
+        losses, accuracies = [], []
+        for step in range(self.ttt_length):
+            shift = 1 + step
+            tokens = torch.zeros_like(ids)
+            tokens[:, : t - shift] = ids[:, shift:]
+            p = torch.zeros_like(target_p)
+            p[:, : t - shift] = target_p[:, shift:]
+            mask = torch.zeros_like(valid)
+            mask[:, : t - shift] = valid[:, shift:]
+            hidden, logits = self.drafter.step(hidden, tokens, positions, step, cache, key_padding)
+            log_q = F.log_softmax(logits.float(), dim=-1)
+            per_position = -(p * log_q).sum(-1)
+            count = mask.sum().clamp(min=1)
+            loss = (per_position * mask).sum() / count
+            with torch.no_grad():
+                accuracies.append(((logits.argmax(-1) == p.argmax(-1)) & mask).sum() / count)
+            losses.append(loss.detach())
+            total = total + (self.step_weight**step) * loss
+        return total, losses, accuracies
