@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from console import early_signals  # first of ours: it takes a headless run's signals at once
 from pipeline.config import load_run, parse_tokens
 from pipeline.errors import EagleOpsError
 from pipeline.protocol.control import ControlClient, ControlError, find_sockets, runtime_dir
@@ -154,7 +155,7 @@ def _run(config, args: argparse.Namespace, stages: tuple[str, ...] | None = None
             return asyncio.run(run_console(config, theme=args.theme, refresh_s=args.refresh, stages=stages))
         else:
             return _run_detached(config, args)
-    return asyncio.run(run_headless(config, as_json=args.json, stages=stages))
+    return asyncio.run(run_headless(config, as_json=args.json, stages=stages, hung_up=early_signals.hung_up))
 
 
 def _run_detached(config, args: argparse.Namespace) -> int:

@@ -84,6 +84,18 @@ max_samples = 5
             '[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\n[[datasets]]\nname = "B1"\npath = "b"\ntoken_budget = 5\n',
             "datasets[1].name: duplicate",
         ),
+        (
+            '[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\n[sampling]\nextra = { stream = true }\n',
+            "sampling.extra: `stream` is not an extra field (replies are read whole)",
+        ),
+        (
+            '[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\n[sampling]\nextra = { n = 2, top_k = 5 }\n',
+            "sampling.extra: `n` is not an extra field",
+        ),
+        (
+            '[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\n[sampling]\nextra = { chat_template_kwargs = "off" }\n',
+            "sampling.extra: `chat_template_kwargs` must be a table",
+        ),
     ],
 )
 def test_errors_name_the_key(tmp_path, extra, needle):

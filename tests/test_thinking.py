@@ -9,6 +9,7 @@ import pytest
 
 from pipeline.engine import Engine
 from pipeline.generate.replies import parse_reply, request_fields
+from pipeline.protocol.events import StopReason
 from pipeline.protocol.report import status_line
 
 from .conftest import make_config, read_jsonl, write_jsonl
@@ -265,3 +266,47 @@ def test_the_generated_ids_replace_a_reply_that_re_tokenises_differently(tokeniz
     ids, mask, _ = with_exact_reply(tokenizer, messages, rendered, generated, 4096)
     assert ids[-len(generated) :] == generated and mask[-len(generated) :] == [1] * len(generated)
     assert tokenizer.decode(ids) == tokenizer.decode(rendered[0])  # the same text, the generated tokens
+
+
+def _long_conversations(count: int, turns: int, tokens: int) -> list[dict]:
+    return [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                turn
+                for k in range(turns)
+                for turn in ({"from": "human", "value": f"q{k} of {i} [[tokens:{tokens}]]"}, {"from": "gpt", "value": "old"})
+            ],
+        }
+        for i in range(count)
+    ]
+
+
+async def test_regenerate_all_overshoots_the_budget_by_at_most_what_is_in_flight(tmp_path, fault_server):
+    """A conversation reserves its remaining replies and asks for none once the budget is reached:
+    the bound is the README's, requests in flight x max_tokens (here 8 x 64)."""
+    fault_server.reset()
+    source = write_jsonl(tmp_path / "c.jsonl", _long_conversations(30, turns=10, tokens=40))
+    dataset = {"name": "C", "path": str(source), "token_budget": 100, "regenerate": "all"}
+    summary = await Engine(make_config(tmp_path, fault_server.base_url, [dataset], concurrency=8)).run()
+    (progress,) = summary.datasets
+    assert progress.stopped_by == StopReason.BUDGET and 100 <= progress.tokens <= 100 + 8 * 64
+    for record in read_jsonl(tmp_path / "out" / "C" / "data.jsonl"):  # cut short, a record still ends in the target's reply
+        turns = record["conversations"]
+        assert turns[-1]["role"] == "assistant" and record["target_turns"][-1] == len(turns) - 1
+        assert all(turns[i]["role"] == "assistant" and turns[i]["content"] != "old" for i in record["target_turns"])
+
+
+async def test_regenerate_all_answers_a_last_tool_result_and_names_a_row_with_nothing_to_answer(tmp_path, fault_server):
+    fault_server.reset()
+    asks = {"role": "user", "content": "add two and two"}
+    calls = {"role": "assistant", "content": None, "tool_calls": CALL}
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "4"}
+    source = write_jsonl(tmp_path / "t.jsonl", [{"id": "r", "messages": [asks, calls, result]}, {"id": "c", "messages": [asks, calls]}])
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "T", "path": str(source), "token_budget": "1M", "regenerate": "all"}])
+    (progress,) = (await Engine(config).run()).datasets
+    [record] = read_jsonl(config.output_dir / "T" / "data.jsonl")
+    assert record["id"] == "r" and record["target_turns"] == [3] and record["conversations"][3]["role"] == "assistant"
+    [failure] = read_jsonl(config.output_dir / "T" / "failed.jsonl")
+    assert failure["kind"] == "bad_line" and failure["source_line"] == 2 and failure["field"] == "messages"
+    assert "nothing for the target to write" in failure["reason"] and progress.bad_lines == 1

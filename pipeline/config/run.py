@@ -68,6 +68,33 @@ class EndpointConfig:
         return os.environ.get(self.api_key_env) or None
 
 
+# Request fields eagleops sets itself, or that would break how it reads a reply (one choice, whole).
+_FIELDS_WE_SET = {
+    "model": "the endpoint's `model` names it",
+    "messages": "they come from the dataset",
+    "max_tokens": "use sampling.max_tokens",
+    "max_completion_tokens": "use sampling.max_tokens",
+    "temperature": "use sampling.temperature",
+    "top_p": "use sampling.top_p",
+    "stream": "replies are read whole",
+    "n": "one reply per request is recorded",
+}
+_TABLE_FIELDS = ("chat_template_kwargs", "reasoning")  # merged with what a thinking mode asks for
+
+
+class _RequestFields(Check):
+    """``[sampling] extra``: any field a server takes, but none that breaks the protocol."""
+
+    def problem(self, value: Any) -> str | None:
+        for key, why in _FIELDS_WE_SET.items():
+            if key in value:
+                return f"`{key}` is not an extra field ({why}); remove it"
+        for key in _TABLE_FIELDS:
+            if key in value and not isinstance(value[key], dict):
+                return f"`{key}` must be a table (e.g. {key} = {{ enable_thinking = false }}), got {value[key]!r}"
+        return None
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target samples each reply."""
@@ -75,7 +102,9 @@ class SamplingConfig:
     max_tokens: int = setting(2048, "completion tokens per request at most", check=at_least(1))
     temperature: float = setting(0.7, "sampling temperature", check=finite_at_least(0))
     top_p: float = setting(1.0, "nucleus sampling", check=within(0, 1, include_low=False))
-    extra: dict[str, Any] = setting({}, "more request fields, sent as given (e.g. `top_k`)")
+    extra: dict[str, Any] = setting(
+        {}, "more request fields, sent as given (e.g. `top_k`)", check=_RequestFields(lambda v: True, "fields that keep the protocol")
+    )
 
 
 @dataclass(frozen=True)
@@ -247,6 +276,11 @@ class RunConfig:
     concurrency: int = setting(64, "records in flight, all datasets together", check=at_least(1))
     tokenizer: Path | None = setting(None, "counts tokens when a server omits usage")
     cancel_in_flight_over_budget: bool = setting(False, "lowering a budget cancels in-flight requests too")
+    max_failed_share: float = setting(
+        0.1,
+        "a dataset that ends with a larger share of its rows failed, or with nothing written, ends the run with exit code 3",
+        check=within(0, 1),
+    )
     thinking: str = setting(
         "keep",
         "a reasoning target's thinking: `keep` (stored, trained on), `drop` (stored, flagged, not trained on), `off` (asked not to think)",

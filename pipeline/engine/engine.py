@@ -55,6 +55,20 @@ class RunSummary:
     datasets: list[DatasetProgress]
     killed: bool
     stages: dict[str, StageStatus] = field(default_factory=dict)
+    max_failed_share: float = 1.0
+
+    def shortfalls(self) -> list[str]:
+        """Datasets that finished but whose output a script should not take as it is: too many
+        rows failed (``max_failed_share``), or nothing was written at all."""
+        found = []
+        for d in self.datasets:
+            failed = d.failures + d.bad_lines
+            rows = d.samples + failed
+            if d.state == DatasetState.DONE and d.samples == 0:
+                found.append(f"{d.name}: nothing written ({failed} rows failed)")
+            elif rows and failed / rows > self.max_failed_share:
+                found.append(f"{d.name}: {failed} of {rows} rows failed (over max_failed_share {self.max_failed_share:g})")
+        return found
 
     @property
     def ok(self) -> bool:
@@ -192,12 +206,17 @@ class Engine:
                 await asyncio.gather(telemetry, return_exceptions=True)
         for event in self.endpoint_stats(ended=True):
             self.publish(event)
+        datasets = [r.progress() for r in self.generate.runners.values()]
+        stages = {k: v.status for k, v in self.stage_states.items()}
+        summary = RunSummary(datasets, self._killed, stages, self.config.max_failed_share)
+        if summary.ok:
+            for shortfall in summary.shortfalls():
+                self.log("error", f"{shortfall}; the run exits with code 3")
         self.bus.close()
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
-        datasets = [r.progress() for r in self.generate.runners.values()]
-        return RunSummary(datasets, self._killed, {k: v.status for k, v in self.stage_states.items()})
+        return summary
 
     async def _run_stages(self) -> None:
         if "generate" in self.stages:

@@ -9,6 +9,7 @@ import signal
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from pipeline.config import RunConfig
@@ -19,12 +20,15 @@ from pipeline.protocol.report import STATUS_WIDTH, format_event, json_line, stat
 __all__ = ["exit_code", "run_headless", "install_kill_signals"]
 
 EXIT_OK, EXIT_FAILED, EXIT_KILLED = 0, 1, 130
+EXIT_SHORTFALL = 3  # every stage finished, but a dataset's output is mostly failures, or empty
 
 
 def exit_code(summary: RunSummary) -> int:
     if summary.killed:
         return EXIT_KILLED
-    return EXIT_OK if summary.ok else EXIT_FAILED
+    if not summary.ok:
+        return EXIT_FAILED
+    return EXIT_SHORTFALL if summary.shortfalls() else EXIT_OK
 
 
 def install_kill_signals(engine: Engine) -> None:
@@ -111,13 +115,23 @@ async def _print_loop(engine: Engine, out: TextIO, as_json: bool, every_s: float
 
 
 async def run_headless(
-    config: RunConfig, *, as_json: bool = False, out: TextIO | None = None, serve_socket: bool = True, stages: tuple[str, ...] | None = None
+    config: RunConfig,
+    *,
+    as_json: bool = False,
+    out: TextIO | None = None,
+    serve_socket: bool = True,
+    stages: tuple[str, ...] | None = None,
+    hung_up: Callable[[], bool] = lambda: False,
 ) -> int:
+    """``hung_up``: whether the terminal went before this took the signals over (the command
+    line holds them from its first millisecond)."""
     out = out or sys.stdout
     engine = Engine(config, stages=stages)
     await engine.open()
     server = await engine.serve_socket() if serve_socket else None
     install_kill_signals(engine)
+    if hung_up():
+        engine.log("warning", "terminal hung up; the run goes on (eagleops attach / status / kill)")
     printer = asyncio.create_task(_print_events(engine, out, as_json, config.status_interval_s), name="printer")
     try:
         summary = await engine.run()

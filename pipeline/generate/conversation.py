@@ -2,12 +2,15 @@
 own earlier replies in the history, so nothing another model wrote is trained on as the target's.
 
 The conversation becomes one record only when its last reply is in: a kill in the middle leaves
-nothing behind, and resume redoes the conversation from its first turn.
+nothing behind, and resume redoes the conversation from its first turn. Once the dataset's limit
+is reached, a conversation asks for no further turn: its record ends at the last reply it has
+(every reply in it still the target's), so a budget is overshot by at most what was in flight.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.generate.client import ChatClient, Completion
@@ -41,10 +44,16 @@ def _combined(completions: list[Completion]) -> Completion:
 
 
 async def regenerate_all(
-    client: ChatClient, turns: tuple[dict[str, Any], ...], thinking: str
+    client: ChatClient,
+    turns: tuple[dict[str, Any], ...],
+    thinking: str,
+    *,
+    may_go_on: Callable[[], bool] = lambda: True,
+    on_reply: Callable[[Completion], None] = lambda completion: None,
 ) -> tuple[list[dict[str, Any]], Completion, list[int]]:
     """(the conversation with the target's replies, their combined accounting, the indices of the
-    replies the target wrote: the ones to train on)."""
+    replies the target wrote: the ones to train on). ``may_go_on`` is asked before every reply
+    but the first; ``on_reply`` hears of each reply as it comes."""
     points = set(reply_points(turns))
     sent: list[dict[str, Any]] = []  # what the server sees: role and content, as any server takes
     kept: list[dict[str, Any]] = []  # what the record keeps: the thinking too
@@ -56,7 +65,11 @@ async def regenerate_all(
         sent.append(turn)
         kept.append(turn)
         if i in points:
+            if completions and not may_go_on():
+                del kept[written[-1] + 1 :]  # the record ends at the target's last reply
+                break
             completion = await client.complete(tuple(sent), thinking=thinking)
+            on_reply(completion)
             completions.append(completion)
             sent.append({"role": "assistant", "content": completion.text})
             written.append(len(kept))

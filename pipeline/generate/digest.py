@@ -14,6 +14,7 @@ __all__ = ["CURRENT_REQUEST", "RetryDigest"]
 # (dataset, prompt id) of the request a task is making; set by the dataset runner in each request task
 CURRENT_REQUEST: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("eagleops_request", default=None)
 _EXAMPLES = 3
+_KIND_WIDTH = 40
 
 
 def reason_kind(reason: str) -> str:
@@ -23,7 +24,15 @@ def reason_kind(reason: str) -> str:
     for prefix, kind in (("timed out", "timeout"), ("connection error", "connection error"), ("malformed", "malformed reply")):
         if reason.startswith(prefix):
             return kind
-    return reason.split(":", 1)[0][:40]
+    return _cut(reason.split(":", 1)[0], _KIND_WIDTH)
+
+
+def _cut(text: str, width: int) -> str:
+    """At most ``width`` characters, cut between words (a number cut mid-digit reads as another)."""
+    if len(text) <= width:
+        return text
+    head = text[: width - 3]
+    return (head.rsplit(" ", 1)[0] if " " in head else head) + "..."
 
 
 class RetryDigest:

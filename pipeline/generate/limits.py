@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pipeline.protocol.events import StopReason
 
-__all__ = ["Budget", "Limits", "MIN_SAMPLES_FOR_MEAN"]
+__all__ = ["Budget", "Conversation", "InFlight", "Limits", "MIN_SAMPLES_FOR_MEAN"]
 
 MIN_SAMPLES_FOR_MEAN = 8  # replies before their mean length predicts a request in flight
 
@@ -33,13 +33,14 @@ class Limits:
     max_samples: int | None
     max_tokens: int  # a reply's ceiling: what a request in flight may add before replies are seen
 
-    def expected_reply(self, tokens: int, samples: int) -> float:
-        """Tokens a request in flight is expected to add: the mean so far, once it means something."""
-        return tokens / samples if samples >= MIN_SAMPLES_FOR_MEAN else float(self.max_tokens)
+    def expected_reply(self, tokens: int, replies: int) -> float:
+        """Tokens a reply still to come is expected to add: the mean so far, once it means something."""
+        return tokens / replies if replies >= MIN_SAMPLES_FOR_MEAN else float(self.max_tokens)
 
-    def room(self, tokens: int, samples: int, in_flight: int) -> bool:
-        """Whether one more request may go out: what is in flight, at its expected length, still fits."""
-        if tokens + in_flight * self.expected_reply(tokens, samples) >= self.budget.tokens:
+    def room(self, tokens: int, samples: int, in_flight: int, reserved: float) -> bool:
+        """Whether one more request may go out: ``tokens`` written (or written by conversations
+        still in flight) and ``reserved``, what the replies still to come are expected to add, fit."""
+        if tokens + reserved >= self.budget.tokens:
             return False
         return self.max_samples is None or samples + in_flight < self.max_samples
 
@@ -49,3 +50,37 @@ class Limits:
         if self.max_samples is not None and samples >= self.max_samples:
             return StopReason.SAMPLE_CAP
         return None
+
+
+@dataclass
+class Conversation:
+    """One request in flight: the replies it will ask for and those it has, with their tokens."""
+
+    replies: int
+    replied: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class InFlight:
+    """What a dataset's requests in flight hold: replies still to ask for and tokens of replies
+    in but not yet recorded. Under ``regenerate = "all"`` a conversation asks for several."""
+
+    replies_left: int = 0
+    unrecorded: int = 0
+    replies: int = 0  # this session's, for their mean length
+    reply_tokens: int = 0
+
+    def begin(self, replies: int) -> Conversation:
+        self.replies_left += replies
+        return Conversation(replies)
+
+    def replied(self, conversation: Conversation, tokens: int) -> None:
+        conversation.replied, conversation.tokens = conversation.replied + 1, conversation.tokens + tokens
+        self.replies, self.reply_tokens = self.replies + 1, self.reply_tokens + tokens
+        self.replies_left, self.unrecorded = self.replies_left - 1, self.unrecorded + tokens
+
+    def end(self, conversation: Conversation) -> None:
+        """Recorded, failed or cancelled: it holds nothing any more."""
+        self.replies_left -= conversation.replies - conversation.replied
+        self.unrecorded -= conversation.tokens

@@ -64,6 +64,25 @@ def _split_inline(text: str) -> tuple[str, str | None]:
     return text, None
 
 
+def _utf8(text: str, field: str) -> str:
+    """Text we will write as UTF-8: a lone surrogate (a server's broken escape) cannot be, and is
+    the server's fault, not the row's: the reply is malformed, and retried."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise MalformedReply(f"malformed response ({field} is not valid Unicode: {exc.reason} at {exc.start})") from None
+    return text
+
+
+def _table(payload: dict[str, Any], key: str) -> dict[str, Any]:
+    value = payload.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise MalformedReply(f"malformed response ({key} is a {type(value).__name__}, not an object)")
+    return value
+
+
 def parse_reply(raw: bytes) -> Reply:
     try:
         payload = json.loads(raw)
@@ -73,14 +92,17 @@ def parse_reply(raw: bytes) -> Reply:
         if not isinstance(text, str):
             raise TypeError("content is not a string")
         finish = choice.get("finish_reason") or "unknown"
+        if not isinstance(finish, str):
+            raise TypeError("finish_reason is not a string")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         raise MalformedReply(f"malformed response ({type(exc).__name__}: {str(exc)[:80]})") from None
+    text = _utf8(text, "content")
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     if isinstance(reasoning, str) and reasoning.strip():
-        reasoning = reasoning.strip()  # the template puts its own newlines around it
+        reasoning = _utf8(reasoning, "reasoning").strip()  # the template puts its own newlines around it
     else:
         text, reasoning = _split_inline(text)
-    usage = payload.get("usage") or {}
+    usage = _table(payload, "usage")
     details = usage.get("completion_tokens_details") or {}
     ids = choice.get("token_ids")
     token_ids = tuple(ids) if isinstance(ids, list) and all(_count(i) is not None for i in ids) else None

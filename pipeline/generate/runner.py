@@ -15,9 +15,9 @@ from pipeline.config import DatasetConfig, format_tokens
 from pipeline.generate.client import ChatClient, Completion, PermanentFailure, RateMeter
 from pipeline.generate.conversation import assistant_turn, regenerate_all
 from pipeline.generate.digest import CURRENT_REQUEST
-from pipeline.generate.limits import Limits
+from pipeline.generate.limits import InFlight, Limits
 from pipeline.generate.records import bad_line_record, failed_request_record, generated_record
-from pipeline.generate.sources import BadLine, Prompt, SourceReader
+from pipeline.generate.sources import BadLine, Prompt, SourceReader, reply_points
 from pipeline.generate.store import DatasetStore, StoreError, WriteFailed
 from pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
 from pipeline.protocol.host import StageHost
@@ -72,6 +72,7 @@ class DatasetRunner:
         self._stopping = False  # killed: the final save stops waiting for a full disk
         self.source_meter = RateMeter(clock=shared.clock)  # source bytes finished per second
         self._source_size = 0
+        self.flight = InFlight()  # a conversation in flight reserves what its remaining replies may take
         self.latencies: deque[float] = deque(maxlen=2000)  # this session's, for the detail view
         self.endpoint_counts: Counter[str] = Counter()
 
@@ -81,7 +82,16 @@ class DatasetRunner:
 
     def _room(self) -> bool:
         done = self.store.accepted
-        return self.limits.room(done.tokens, done.samples, self.in_flight)
+        flight = self.flight
+        if self.config.regenerate == "all":  # a record's mean is a conversation's: estimate per reply
+            reserved = flight.replies_left * self.limits.expected_reply(flight.reply_tokens, flight.replies)
+        else:
+            reserved = self.in_flight * self.limits.expected_reply(done.tokens, done.samples)
+        return self.limits.room(done.tokens + flight.unrecorded, done.samples, self.in_flight, reserved)
+
+    def _may_go_on(self) -> bool:
+        """A conversation in flight asks for its next reply only while the budget has room."""
+        return self.store.accepted.tokens + self.flight.unrecorded < self.budget
 
     def limit_reached(self) -> StopReason | None:
         done = self.store.accepted
@@ -198,9 +208,13 @@ class DatasetRunner:
     async def _request(self, prompt: Prompt) -> None:
         CURRENT_REQUEST.set((self.config.name, prompt.prompt_id))  # this task's own context: names its retries
         client = self.shared.chat()
+        mine = self.flight.begin(len(reply_points(prompt.messages)) if self.config.regenerate == "all" else 1)
         try:
             if self.config.regenerate == "all":
-                conversation, completion, written = await regenerate_all(client, prompt.messages, self.thinking)
+                on_reply = lambda reply: self.flight.replied(mine, reply.completion_tokens)  # noqa: E731
+                conversation, completion, written = await regenerate_all(
+                    client, prompt.messages, self.thinking, may_go_on=self._may_go_on, on_reply=on_reply
+                )
             else:
                 completion = await client.complete(prompt.messages, thinking=self.thinking)
                 conversation, written = [*prompt.messages, assistant_turn(completion)], [len(prompt.messages)]
@@ -216,6 +230,7 @@ class DatasetRunner:
             if self.shared.cancel_over_budget and self.store.accepted.tokens >= self.budget:
                 self.cancel_requests()
         finally:
+            self.flight.end(mine)
             self.source_meter.add(prompt.end - prompt.offset)
             self.in_flight -= 1
             self.shared.slots.release()
@@ -307,10 +322,8 @@ class DatasetRunner:
             _STORAGE_RETRY_MAX_S, 0.25 * 2 ** min(self._storage_failures, 16)
         )  # (a float of 2**1024 overflows)
         if message != self.storage_error:
-            self._log(
-                "error",
-                f"{self.config.name}: cannot save: {message}; paused with {self.store.buffered()} finished records in memory, retrying",
-            )
+            held = self.store.buffered()
+            self._log("error", f"{self.config.name}: cannot save: {message}; paused with {held} finished records in memory, retrying")
         self.storage_error = message
         if not self.state.terminal:
             self.reason = f"cannot save: {message}"

@@ -140,6 +140,8 @@ def parse_row(row: Any, fmt: str, id_field: str, regenerate: str = "last") -> tu
     if not turns[last_user]["content"].strip():
         raise RowError(f"{fmt}[{last_user}].content", "empty user turn")
     messages = tuple(turns if regenerate == "all" else turns[: last_user + 1])
+    if regenerate == "all" and not reply_points(messages):
+        raise RowError(fmt, "nothing for the target to write: no user or tool turn is answered in words or left unanswered at the end")
     own_id = row.get(id_field)
     if isinstance(own_id, (str, int)) and not isinstance(own_id, bool) and str(own_id):
         return _text(str(own_id), id_field), messages
@@ -192,14 +194,15 @@ class SourceReader:
 
 def reply_points(turns: tuple[dict[str, Any], ...]) -> list[int]:
     """Indices of the turns a reply follows when every assistant turn is regenerated: each user or
-    tool turn the original answered in words, and a last user turn. An assistant turn that calls
-    tools stays as it was, with its results: a new call would not match them."""
+    tool turn the original answered in words, and a last user or tool turn left unanswered (an
+    agent's reply to a tool's result). An assistant turn that calls tools stays as it was, with
+    its results: a new call would not match them."""
     points = []
     for i, turn in enumerate(turns):
         if turn["role"] not in ("user", "tool"):
             continue
         following = turns[i + 1] if i + 1 < len(turns) else None
-        if following is None and turn["role"] == "user":
+        if following is None:
             points.append(i)
         elif following is not None and following["role"] == "assistant" and not following.get("tool_calls"):
             points.append(i)

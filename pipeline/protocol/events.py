@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
+from pipeline.config.tokens import parse_tokens
+
 __all__ = [
     "Ack",
     "Command",
@@ -301,8 +303,12 @@ def command_from_json(payload: dict[str, Any]) -> Command:
         raise ValueError(f"{name}: dataset must be a string")
     if cls is SetBudget:
         tokens = payload.get("tokens")
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-            raise ValueError("budget: tokens must be a non-negative integer")
+        if tokens is None:
+            raise ValueError("budget: tokens: missing")
+        try:  # as the run file and the command line read a token count: the same range, the same words
+            payload["tokens"] = parse_tokens(tokens)
+        except ValueError as exc:
+            raise ValueError(f"budget: tokens: {exc}") from None
         if dataset is None:
             raise ValueError("budget: a dataset is required")
     return cls(**payload)
