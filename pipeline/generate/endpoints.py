@@ -4,15 +4,24 @@ An endpoint that fails ``BENCH_AFTER`` times in a row (refused, reset, timed out
 asks for a pause with ``Retry-After``, is *benched*: no request goes to it until its backoff
 ends, then a single probe does; a success puts it back. Retries go to another healthy
 endpoint when there is one, so a dead server costs a few fast failures, not the records.
+
+A server that says when it is up (vLLM and SGLang answer ``GET /health``) is asked every
+``HEALTH_PROBE_S`` while benched: when /health fails and then answers again, the server has
+restarted, and it is back in rotation at once, not when a bench grown long over its restart
+ends. A /health that answers all along leaves the bench as it is: the server is up and its
+failures are of another kind (an overload, its own Retry-After), which the backoff is for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
 import time
 from collections import deque
 from collections.abc import Callable
+
+import aiohttp
 
 from pipeline.config import EndpointConfig
 from pipeline.protocol.events import EndpointStats
@@ -20,6 +29,9 @@ from pipeline.protocol.events import EndpointStats
 __all__ = ["BENCH_AFTER", "EndpointPool", "EndpointState", "RateMeter", "connection_limit"]
 
 BENCH_AFTER = 3  # consecutive failures; a lone transient error does not bench a server
+HEALTH_KINDS = ("vllm", "sglang")  # the servers that answer GET /health at their root
+HEALTH_PROBE_S = 0.25  # while benched; a restarted server is back within about this
+HEALTH_TIMEOUT_S = 1.0
 
 
 _FDS_KEPT_FREE = 48  # for output files, the control socket and its clients, telemetry, imports
@@ -73,11 +85,14 @@ class RateMeter:
 
 
 class EndpointState:
-    __slots__ = ("config", "in_flight", "requests", "errors", "latencies", "meter", "key", "url", "failures_in_a_row", "benched_until")
+    __slots__ = (
+        "config", "in_flight", "requests", "errors", "latencies", "meter", "key", "url", "health_url", "failures_in_a_row", "benched_until",
+    )  # fmt: skip
 
     def __init__(self, config: EndpointConfig):
         self.config = config
         self.url = f"{config.base_url}/chat/completions"
+        self.health_url = f"{config.base_url.removesuffix('/v1')}/health" if config.kind in HEALTH_KINDS else None
         self.key = config.api_key()
         self.in_flight = 0
         self.requests = 0
@@ -109,8 +124,10 @@ class EndpointPool:
         self.endpoints = [EndpointState(ep) for ep in endpoints]
         self.base_bench_s, self.max_bench_s, self.clock = base_bench_s, max_bench_s, clock
         self.on_health: Callable[[str, str], None] | None = None  # (level, message), at each change
+        self.health_probe_s = HEALTH_PROBE_S
         self._room = asyncio.Event()
         self._turn = 0
+        self._probes: dict[EndpointState, asyncio.Task[None]] = {}
 
     async def acquire(self, avoid: EndpointState | None = None) -> EndpointState:
         """The least busy healthy endpoint, other than ``avoid`` if another can take it; waits
@@ -161,12 +178,53 @@ class EndpointPool:
             return
         was_benched = endpoint.benched(self.clock())
         endpoint.benched_until = max(endpoint.benched_until, self.clock() + bench)
+        self._watch_health(endpoint)
         if was_benched or strikes < 0 or self.on_health is None:
             return  # a Retry-After alone is in the retry's own log line
         others = "others take its requests" if self.healthy_other_than(endpoint) else "no other endpoint: requests wait"
         self.on_health(
             "warning", f"{endpoint.config.label}: benched {bench:.1f}s after {endpoint.failures_in_a_row} failures ({reason}); {others}"
         )
+
+    def _watch_health(self, endpoint: EndpointState) -> None:
+        """Ask a benched endpoint's /health until the bench ends, if its server has one."""
+        running = self._probes.get(endpoint)
+        if endpoint.health_url is None or (running is not None and not running.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # a caller without a loop: the bench's own end lets a request probe
+        probe = self._probe_health(endpoint, endpoint.health_url)
+        self._probes[endpoint] = loop.create_task(probe, name=f"health of {endpoint.config.label}")
+
+    async def _probe_health(self, endpoint: EndpointState, url: str) -> None:
+        went_down = False
+        async with aiohttp.ClientSession(trust_env=False, timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as session:
+            while endpoint.benched(self.clock()):
+                up = await _answers(session, url)
+                if up and went_down:
+                    self._reinstate(endpoint)
+                    return
+                went_down = went_down or not up
+                await asyncio.sleep(self.health_probe_s)
+
+    def _reinstate(self, endpoint: EndpointState) -> None:
+        """Back in rotation in full, not on probation: one request at a time to a vLLM that has just
+        restarted would be as slow as that request's whole reply."""
+        endpoint.failures_in_a_row = 0
+        endpoint.benched_until = 0.0
+        self._room.set()
+        if self.on_health is not None:
+            self.on_health("info", f"{endpoint.config.label}: its server answers /health again; back in rotation")
+
+    async def close(self) -> None:
+        """Stop asking benched endpoints' /health (the run is over)."""
+        probes = [task for task in self._probes.values() if not task.done()]
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        self._probes.clear()
 
     def stats(self, *, ended: bool = False) -> list[EndpointStats]:
         """Each endpoint's numbers; ``ended``: the run is over, so nothing is flowing any more."""
@@ -193,3 +251,10 @@ class EndpointPool:
     def healthy_other_than(self, endpoint: EndpointState) -> bool:
         now = self.clock()
         return any(ep is not endpoint and not ep.benched(now) and ep.failures_in_a_row < BENCH_AFTER for ep in self.endpoints)
+
+
+async def _answers(session: aiohttp.ClientSession, url: str) -> bool:
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+        async with session.get(url) as response:
+            return response.status == 200
+    return False
