@@ -1,4 +1,5 @@
-"""Start one of our loopback servers as a child process and wait until it answers."""
+"""Start one of our loopback servers as a child process and wait until it answers; it dies with
+us (a tether ends its process group when this process dies, however it dies)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.errors import RunError
-from pipeline.servers.supervisor import stop_group
+from pipeline.servers.groups import stop_group
+from pipeline.servers.tether import tethered
 
 __all__ = ["start_server"]
 
@@ -22,7 +24,7 @@ def start_server(argv: list[str], port_file: Path, *, log_path: Path, timeout_s:
     port_file.unlink(missing_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", *argv, "--port", "0", "--port-file", str(port_file)],
+            tethered([sys.executable, "-m", *argv, "--port", "0", "--port-file", str(port_file)]),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stopping it stops whatever it started

@@ -1,20 +1,21 @@
 """A server process we start, watch and stop: vLLM for the target, or any of our own.
 
-It runs in its own process group on a free port of 127.0.0.1. ``start`` returns once ``/health``
-answers; a watcher thread restarts it with exponential backoff if it dies, and gives up after
-``max_restarts``. Its output goes to a log file, and its warnings and errors (and every restart)
-to the ``log`` callback, which an engine turns into events. Everything here is blocking: call it
-from a thread (the engine does, through ``asyncio.to_thread``).
+It runs in its own process group on a free port of 127.0.0.1, under a tether that ends the group
+when eagleops dies, however it dies (``tether.py``); the group is recorded next to the log, so
+that the next start there stops what a dead engine left running (``groups.py``). ``start``
+returns once ``/health`` answers; a watcher thread restarts it with exponential backoff if it
+dies (its whole group ended first), and gives up after ``max_restarts``. Its output goes to a
+log file, and its warnings and errors (and every restart) to the ``log`` callback, which an
+engine turns into events. Everything here is blocking: call it from a thread (the engine does,
+through ``asyncio.to_thread``).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -24,6 +25,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline.errors import ConfigError, RunError
+from pipeline.servers.groups import ServerRecord, stop_group, stop_leftovers
+from pipeline.servers.tether import tethered
 
 __all__ = ["LOOPBACK", "ServerFailed", "SupervisedServer", "checked_python", "free_port", "stop_group"]
 
@@ -86,8 +89,10 @@ class SupervisedServer:
         self.restarts = 0
         self.failed: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ended: subprocess.Popen[bytes] | None = None  # whose group is already stopped
+        self._record = ServerRecord(log_path)
         self._stopping = threading.Event()
-        self._tail: collections.deque[str] = collections.deque(maxlen=20)
+        self._tail: collections.deque[str] = collections.deque(maxlen=20)  # the current process's lines only
         self._watcher: threading.Thread | None = None
         self._pump_thread: threading.Thread | None = None
         self._seen: dict[str, int] = {}
@@ -99,6 +104,7 @@ class SupervisedServer:
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> str:
         """Start and wait until healthy; the base URL (no ``/v1``)."""
+        stop_leftovers(self.log_path.parent, self._log)  # a server a killed engine left holds the GPU
         self._spawn()
         self._wait_healthy()
         self._watcher = threading.Thread(target=self._watch, name=f"watch-{self.name}", daemon=True)
@@ -108,10 +114,17 @@ class SupervisedServer:
 
     def stop(self) -> None:
         self._stopping.set()
-        if self._proc is not None:
-            stop_group(self._proc)
+        proc = self._proc
+        if proc is not None and proc is not self._ended:
+            self._end(proc)
         if self._watcher is not None:
             self._watcher.join(timeout=30)
+        self._record.remove()
+
+    def _end(self, proc: subprocess.Popen[bytes]) -> None:
+        """Stop ``proc``'s whole group, once: its number may be reused once the group is empty."""
+        stop_group(proc)
+        self._ended = proc
 
     def __enter__(self) -> SupervisedServer:
         try:
@@ -126,12 +139,22 @@ class SupervisedServer:
 
     def _spawn(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = list(self._argv(self.port))
-        self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
-        self._pump_thread = threading.Thread(target=self._pump, args=(self._proc,), name=f"log-{self.name}", daemon=True)
+        argv = tethered(self._argv(self.port))
+        env = {**self._env, **self._record.renew()}
+        self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            self._record.write(self._proc.pid)
+        except OSError as exc:  # a full disk must not stop the server; the tether still ends it with us
+            self._log(
+                "warning",
+                f"{self.name}: its process group is not recorded ({exc}); a resume cannot find it should eagleops and its tether both be killed",
+            )
+        # a fresh tail: a failure quotes the lines of the process that failed, not its predecessor's
+        self._tail = collections.deque(maxlen=20)
+        self._pump_thread = threading.Thread(target=self._pump, args=(self._proc, self._tail), name=f"log-{self.name}", daemon=True)
         self._pump_thread.start()
 
-    def _pump(self, proc: subprocess.Popen[bytes]) -> None:
+    def _pump(self, proc: subprocess.Popen[bytes], tail: collections.deque[str]) -> None:
         if proc.stdout is None:
             return
         with open(self.log_path, "ab") as file:
@@ -139,7 +162,7 @@ class SupervisedServer:
                 file.write(raw)
                 file.flush()
                 line = raw.decode("utf-8", "replace").rstrip()
-                self._tail.append(line)
+                tail.append(line)
                 if (level := _level(line)) is not None and self._first_few(line):
                     self._log(level, f"{self.name}: {line[-400:]}")
 
@@ -166,12 +189,13 @@ class SupervisedServer:
         while not self._healthy():
             proc = self._proc
             if proc is not None and proc.poll() is not None:
+                self._end(proc)  # what it started may live on
                 raise ServerFailed(f"{self.name} exited with {proc.returncode} while starting; see {self.log_path}: {self._last_words()}")
             if self._stopping.is_set():
                 raise ServerFailed(f"{self.name}: stopped while starting")
             if time.monotonic() > deadline:
                 if proc is not None:
-                    stop_group(proc)  # not self.stop(): this may be the watcher thread itself
+                    self._end(proc)  # not self.stop(): this may be the watcher thread itself
                 raise ServerFailed(f"{self.name} not healthy after {self.startup_timeout_s:.0f}s; see {self.log_path}")
             time.sleep(0.5)
 
@@ -189,6 +213,8 @@ class SupervisedServer:
             proc.wait()
             if self._stopping.is_set():
                 return
+            if proc is not self._ended:
+                self._end(proc)  # a crashed server's children (vLLM's workers) live on otherwise
             self._log("error", f"{self.name} died (exit {proc.returncode}): {self._last_words()}")
             if self.restarts >= self.max_restarts:
                 self.failed = f"{self.name} died {self.restarts + 1} times; not restarted again (see {self.log_path})"
@@ -207,15 +233,3 @@ class SupervisedServer:
                 self._log("error", str(exc))
                 continue
             self._log("info", f"{self.name}: back on {self.base_url}")
-
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group (vLLM's engine core and workers are children), then SIGKILL."""
-    for sig, grace in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
