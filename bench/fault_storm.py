@@ -15,7 +15,16 @@ Then the faults go away and a last run finishes. Checked: every source line is i
 failed.jsonl exactly once, every line whole, the manifests' totals equal the files, the key in no
 file. Printed: kills, faults met, records lost and duplicated, torn tails repaired.
 
+``--servers N`` storms the servers eagleops supervises instead: N rounds, each a headless run
+that serves its target with a fake vLLM (``bench/fake_vllm.py``: vLLM's command line, a child
+in its process group) and is killed with SIGKILL. Each round, at random: killed once its server
+serves; killed while it starts (maybe between the spawn and the server's first line); killed
+together with the tether that leads its server's group, so that only the next run's start can
+stop what is left. Counted: server processes left behind (after 30 s; for the tether rounds,
+once the next run serves), leftovers a resume stopped, the slowest clean-up. Must be 0 left.
+
     python bench/fault_storm.py [--kills 100] [--seed 1]
+    python bench/fault_storm.py --servers 24 [--seed 1]
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -210,11 +221,191 @@ def run_storm(workdir: Path, *, kills: int, seed: int = 1, rows_per_kill: int = 
     return result
 
 
+# ---- the servers' storm: eagleops killed while it supervises a (fake) vLLM ---------------------------
+
+FAKE_VLLM = ROOT / "bench" / "fake_vllm.py"
+MARK_ENV = "FAKE_VLLM_PIDS"  # the fake's own variable; in every process of every storm server's group
+CLEANUP_S = 30.0  # the tether gives a server 15 s to stop, then SIGKILLs; 30 s is far past that
+
+
+@dataclass
+class ServerStormResult:
+    rounds: int = 0
+    kills: int = 0
+    modes: Counter = field(default_factory=Counter)
+    left_behind: int = 0
+    stopped_by_resume: int = 0  # runs whose start found what a run killed with its tether left, and stopped it
+    slowest_cleanup_s: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        return not (self.left_behind or self.problems)
+
+
+def _marked(mark: Path) -> list[psutil.Process]:
+    """Live processes (not zombies) of this storm's servers, found by the variable they carry."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(MARK_ENV) == str(mark) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:  # is_running checks the start time
+                alive.append(proc)
+    return alive
+
+
+def _server_run_file(workdir: Path, mark: Path) -> Path:
+    """A run that serves its target with the fake vLLM, slowly enough never to finish in a round."""
+    python = workdir / "fake-python"  # named as serve.python; vLLM's `-m module` is skipped by the fake
+    python.write_text(f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{FAKE_VLLM}" "$@"\n')
+    python.chmod(0o755)
+    source = workdir / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"prompt {i}"}) + "\n" for i in range(20_000)))
+    run = workdir / "servers.toml"
+    run.write_text(
+        f'name = "server-storm"\noutput_dir = "{workdir / "out"}"\nconcurrency = 4\nflush_interval_s = 0.1\n'
+        "[sampling]\nmax_tokens = 16\n"
+        f'[serve]\npython = "{python}"\nmodel = "{workdir}"\nstartup_timeout_s = 60\nmax_restarts = 2\n'
+        f'extra_args = ["--latency", "0.2"]\nenv = {{ {MARK_ENV} = "{mark}" }}\n'
+        f'[[datasets]]\nname = "A"\npath = "{source}"\ntoken_budget = "1G"\n'
+    )
+    return run
+
+
+def _wait(condition: Callable[[], object], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _kill_tether(out_dir: Path) -> bool:
+    """SIGKILL the tether leading the server's group, as its record names it (pid and start time)."""
+    try:
+        record = json.loads((out_dir / "servers" / "vllm-generate.pid.json").read_text())
+        tether = psutil.Process(record["pid"])
+        if abs(tether.create_time() - record["started"]) < 0.01:
+            tether.kill()
+            return True
+    except (OSError, ValueError, KeyError, psutil.Error):
+        pass
+    return False
+
+
+def _server_round(
+    run: Path, log: Path, mark: Path, mode: str, rng: random.Random, pending: list[psutil.Process], result: ServerStormResult
+) -> tuple[list[psutil.Process], bool]:
+    """One run killed as ``mode`` says: what it leaves for a later run's start to stop, and whether
+    its own server started (after that start has stopped what earlier runs left)."""
+    servers_before = len(list(mark.glob("*.json")))
+
+    def spawned() -> bool:
+        return len(list(mark.glob("*.json"))) > servers_before
+
+    engine = _start(run, log, few_fds=False)
+    tether_killed = False
+    try:
+        if mode == "starting":
+            time.sleep(rng.uniform(0.3, 2.5))
+        elif not _wait(lambda: spawned() or engine.poll() is not None, 90):
+            result.problems.append(f"round {result.rounds}: the server never started")
+        else:
+            time.sleep(rng.uniform(0.2, 1.5))
+        if engine.poll() is not None:
+            result.problems.append(f"round {result.rounds}: eagleops exited by itself ({engine.returncode})")
+        else:
+            os.kill(engine.pid, signal.SIGKILL)  # eagleops alone, as `kill -9 PID` does
+            tether_killed = mode == "with tether" and _kill_tether(run.parent / "out")
+            result.kills += 1
+            engine.wait()
+    finally:
+        if engine.poll() is None:  # only while unreaped is its pid still its own
+            _kill_group(engine)
+    killed_at = time.monotonic()
+    if tether_killed:
+        return [p for p in _marked(mark) if p not in pending], spawned()
+
+    def ours() -> list[psutil.Process]:
+        return [p for p in _marked(mark) if p not in pending]  # the earlier runs' are counted apart
+
+    if not _wait(lambda: not ours(), CLEANUP_S):
+        left = ours()
+        result.left_behind += len(left)
+        result.problems.append(f"round {result.rounds}: left running {CLEANUP_S:.0f} s after the kill: {[p.pid for p in left]}")
+        for proc in left:  # each round starts from nothing, so one failure is counted once
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    result.slowest_cleanup_s = max(result.slowest_cleanup_s, time.monotonic() - killed_at)
+    return [], spawned()
+
+
+def run_server_storm(
+    workdir: Path, *, rounds: int, seed: int = 1, modes: Sequence[str] = (), say: Callable[[str], None] = print
+) -> ServerStormResult:
+    """``rounds`` runs of eagleops killed with SIGKILL while they supervise a fake vLLM, each killed
+    as ``modes`` says or else at random; the last one is killed while serving, so nothing of any
+    round may be running at the end."""
+    rng = random.Random(seed)
+    result = ServerStormResult()
+    started = time.monotonic()
+    mark = workdir / "pids"
+    mark.mkdir(parents=True, exist_ok=True)
+    run, log = _server_run_file(workdir, mark), workdir / "server-runs.log"
+    pending: list[psutil.Process] = []  # left by runs killed with their tether, until a run's server starts
+    try:
+        while result.rounds < rounds:
+            result.rounds += 1
+            if result.rounds <= len(modes):
+                mode = modes[result.rounds - 1]
+            elif result.rounds == rounds:
+                mode = "serving"
+            else:
+                mode = rng.choices(["serving", "starting", "with tether"], [0.5, 0.2, 0.3])[0]
+            result.modes[mode] += 1
+            left, spawned = _server_round(run, log, mark, mode, rng, pending, result)
+            if spawned and pending:  # that start had to stop them first
+                if still := _running(pending):
+                    result.left_behind += len(still)
+                    result.problems.append(f"round {result.rounds}: the resume left an earlier server's {[p.pid for p in still]} running")
+                    for proc in still:
+                        with contextlib.suppress(psutil.Error):
+                            proc.kill()
+                else:
+                    result.stopped_by_resume += 1
+            pending = [*(_running(pending) if not spawned else []), *left]
+            if result.rounds % 5 == 0:
+                say(f"  round {result.rounds}: {result.kills} kills, {result.left_behind} left behind")
+        if _marked(mark):
+            result.problems.append(f"after the storm: {len(_marked(mark))} server processes running")
+    finally:
+        for proc in _marked(mark):  # whatever happened, the storm leaves nothing running
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    result.seconds = time.monotonic() - started
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--servers", type=int, default=0, metavar="ROUNDS", help="storm the supervised servers instead")
     args = parser.parse_args()
+    if args.servers:
+        with tempfile.TemporaryDirectory(prefix="eagleops-server-storm-") as tmp:
+            _print_servers(run_server_storm(Path(tmp), rounds=args.servers, seed=args.seed))
+        return
     with tempfile.TemporaryDirectory(prefix="eagleops-storm-") as tmp:
         r = run_storm(Path(tmp), kills=args.kills, seed=args.seed)
     print(
@@ -224,6 +415,20 @@ def main() -> None:
     faults = ", ".join(f"{k} {v}" for k, v in sorted(r.faults.items()))
     print(
         f"| {r.kills} | {r.rounds} | {faults} | {r.lines} | {r.lost} | {r.duplicated} | {r.repaired_tails} | {r.recovered_records} | {r.storage_pauses} | {r.key_leaks} | {r.seconds / 60:.1f} |"
+    )
+    for problem in r.problems:
+        print(f"PROBLEM: {problem}")
+    sys.exit(0 if r.clean else 1)
+
+
+def _print_servers(r: ServerStormResult) -> None:
+    print(
+        "\n| rounds | kills (serving / starting / with tether) | server processes left behind | stopped by a resume | slowest clean-up | minutes |"
+    )
+    print("|---|---|---|---|---|---|")
+    modes = " / ".join(str(r.modes[m]) for m in ("serving", "starting", "with tether"))
+    print(
+        f"| {r.rounds} | {r.kills} ({modes}) | {r.left_behind} | {r.stopped_by_resume} | {r.slowest_cleanup_s:.1f} s | {r.seconds / 60:.1f} |"
     )
     for problem in r.problems:
         print(f"PROBLEM: {problem}")

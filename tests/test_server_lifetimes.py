@@ -316,3 +316,23 @@ async def test_a_restarted_server_is_back_in_rotation_once_it_answers_health(tmp
         if close is not None:
             await close()
         await asyncio.to_thread(server.stop)
+
+
+# ---- the storm: eagleops killed again and again while it supervises a (fake) vLLM --------------------
+
+
+@pytest.mark.slow
+def test_a_storm_of_kills_leaves_no_server_behind(tmp_path):
+    """A few rounds here, one of each kind; ``python bench/fault_storm.py --servers 24`` for the storm.
+    The storm kills whatever it started that is still running when it ends, however it ends."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fault_storm", ROOT / "bench" / "fault_storm.py")
+    assert spec is not None and spec.loader is not None
+    storm = sys.modules["fault_storm"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(storm)
+    modes = ("with tether", "starting", "serving")
+    result = storm.run_server_storm(tmp_path, rounds=len(modes), seed=5, modes=modes, say=lambda _: None)
+    assert result.kills == len(modes), result
+    assert result.left_behind == 0 and result.clean, result
+    assert result.stopped_by_resume >= 1, "the run after the tether's death stopped nothing"
