@@ -38,6 +38,7 @@ class NoEngine:
     async def send(self, command): raise AssertionError(command)
     async def detail(self, name): return {}
     async def stop(self): pass
+    def exit_code(self): return None
 
 async def main():
     app = EagleOpsApp(NoEngine(), theme="light")
