@@ -28,7 +28,7 @@ import pytest
 
 from pipeline.config import EndpointConfig
 from pipeline.generate.endpoints import EndpointPool
-from pipeline.servers.supervisor import SupervisedServer, stop_group
+from pipeline.servers.supervisor import ServerFailed, SupervisedServer, stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_VLLM = ROOT / "bench" / "fake_vllm.py"
@@ -212,6 +212,21 @@ def test_the_children_of_a_crashed_server_are_killed(tmp_path, pids):
     assert not _ours(pids)
 
 
+def test_a_server_child_that_left_the_group_is_ended_too(tmp_path, pids):
+    """A child in a session of its own (as daemons start) is out of reach of the group's signals:
+    the token in its environment still names it."""
+    escape = (
+        "import subprocess, sys, time; subprocess.Popen(['sleep', '3600'], start_new_session=True); "
+        "time.sleep(0.5); print('ValueError: no model here', flush=True); sys.exit(3)"
+    )
+    server = SupervisedServer(
+        "escape", lambda port: [sys.executable, "-c", escape], log_path=tmp_path / "escape.log", env={PIDS_ENV: str(pids)}
+    )
+    with pytest.raises(ServerFailed, match="exited with 3 while starting"):
+        server.start()
+    assert _wait_until(lambda: not _ours(pids), 10), f"left running: {[p.cmdline() for p in _ours(pids)]}"
+
+
 # ---- 11a. a start-up failure quotes the previous process's last lines --------------------------------
 
 
@@ -331,7 +346,7 @@ def test_a_storm_of_kills_leaves_no_server_behind(tmp_path):
     assert spec is not None and spec.loader is not None
     storm = sys.modules["fault_storm"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
     spec.loader.exec_module(storm)
-    modes = ("with tether", "starting", "serving")
+    modes = ("with tether", "serving", "starting", "serving")  # a serving run after the tether round: its start is seen
     result = storm.run_server_storm(tmp_path, rounds=len(modes), seed=5, modes=modes, say=lambda _: None)
     assert result.kills == len(modes), result
     assert result.left_behind == 0 and result.clean, result

@@ -24,10 +24,10 @@ from typing import Any
 import psutil
 
 from pipeline.files import write_json_atomic
+from pipeline.servers.tether import TOKEN_ENV
 
 __all__ = ["TOKEN_ENV", "ServerRecord", "stop_group", "stop_leftovers"]
 
-TOKEN_ENV = "EAGLEOPS_SERVER_ID"  # in the environment of every process of one server's group
 RECORD_SUFFIX = ".pid.json"
 TERM_GRACE_S = 20.0  # vLLM's graceful shutdown; then SIGKILL
 KILL_GRACE_S = 5.0

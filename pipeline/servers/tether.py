@@ -27,7 +27,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["tethered"]
+__all__ = ["TOKEN_ENV", "tethered"]
+
+TOKEN_ENV = "EAGLEOPS_SERVER_ID"  # set by the supervisor, so in the environment of all a server starts
 
 PARENT_GONE = signal.SIGUSR1  # our parent-death signal: one that nothing else sends us
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -69,8 +71,12 @@ def _start_server(argv: list[str]) -> subprocess.Popen[bytes]:
 
 
 def _others() -> list[int]:
-    """The other live members of this process group (a zombie is dead, only not yet reaped)."""
+    """The other live processes of this server: the members of its process group, and those that
+    left the group (a new session: Ray's daemons, say) but carry its token in their environment.
+    A zombie is left out: it is dead, only not yet reaped."""
     me, group = os.getpid(), os.getpgrp()
+    token = os.environ.get(TOKEN_ENV)
+    entry = f"{TOKEN_ENV}={token}".encode() if token else None
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
@@ -78,32 +84,45 @@ def _others() -> list[int]:
         try:
             with open(f"/proc/{name}/stat", "rb") as file:
                 stat = file.read()
+            fields = stat[stat.rindex(b")") + 2 :].split()  # the command name may hold spaces and parentheses
+            if fields[0] in (b"Z", b"X"):
+                continue
+            if int(fields[2]) == group or (entry is not None and entry in _environment(name)):
+                found.append(int(name))
         except OSError:
-            continue  # gone meanwhile
-        fields = stat[stat.rindex(b")") + 2 :].split()  # the command name may hold spaces and parentheses
-        if int(fields[2]) == group and fields[0] not in (b"Z", b"X"):
-            found.append(int(name))
+            continue  # gone meanwhile, or not ours to read
     return found
 
 
+def _environment(pid: str) -> list[bytes]:
+    with open(f"/proc/{pid}/environ", "rb") as file:
+        return file.read().split(b"\0")
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def _end_the_rest(grace_s: float) -> None:
-    """SIGTERM every other member of the group, then SIGKILL what is left after ``grace_s``.
-    Never SIGKILL the whole group: the tether must live on to exit as the server did."""
-    if not _others():
+    """SIGTERM every other process of the server, then SIGKILL what is left after ``grace_s``.
+    Never SIGKILL the whole group at once: the tether must live on to exit as the server did."""
+    others = _others()
+    if not others:
         return
     os.killpg(0, signal.SIGTERM)  # ours is blocked, so it only waits, unread
+    _signal_all(others, signal.SIGTERM)  # for those outside the group
     deadline = time.monotonic() + grace_s
     while _others() and time.monotonic() < deadline:
         time.sleep(0.05)
-    for _ in range(10):  # a member may fork between two looks
+    for _ in range(10):  # a process may fork between two looks
         left = _others()
         if not left:
             return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _signal_all(left, signal.SIGKILL)
         time.sleep(0.05)
 
 
