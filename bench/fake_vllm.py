@@ -4,7 +4,8 @@ GPU and no vLLM. The fault storm and the tests of server lifetimes start it wher
 It takes vLLM's command line (``-m vllm.entrypoints.openai.api_server --model M --port P ...``,
 what it does not know it ignores), so a two-line shell script named as ``serve.python`` runs it.
 Like vLLM, which starts an engine core process, it starts a child (a ``sleep``) in its own
-process group: a supervisor that stops only the process it started leaves that child behind.
+process group: a supervisor that stops only the process it started leaves that child behind. The
+child's environment holds nothing of the server's (vLLM's setproctitle writes over it).
 
 It serves ``/health``, ``/v1/models`` and ``/v1/chat/completions`` (a canned reply of
 ``--tokens`` words after ``--latency`` seconds) and ``POST /admin/crash`` (exits at once, its child
@@ -94,7 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.host != "127.0.0.1":
         raise SystemExit(f"refusing to listen on {args.host}: loopback only")
     _Handler.model, _Handler.tokens, _Handler.latency_s = args.served_model_name, args.tokens, args.latency
-    child = subprocess.Popen(["sleep", "3600"])  # the "engine core": same process group, outlives a crash
+    # the "engine core": in the same process group, it outlives a crash; its environment holds
+    # none of ours, as vLLM's engine core and workers show none once setproctitle writes over it
+    marker = {key: os.environ[key] for key in ("PATH", PIDS_ENV) if key in os.environ}
+    child = subprocess.Popen(["sleep", "3600"], env=marker)
     _record(child)
     server = ThreadingHTTPServer((args.host, args.port), _Handler)
     server.daemon_threads = True

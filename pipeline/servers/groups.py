@@ -98,15 +98,30 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _members(record: dict[str, Any]) -> list[psutil.Process]:
-    """The live processes of a recorded group: its leader (same pid, same start time) and every
-    process carrying its token, wherever it has moved since."""
+    """The live processes of a recorded server: its leader (same pid, same start time), every
+    process carrying its token, wherever it has moved since, and the members of its group.
+
+    vLLM's engine core and workers write their title over their environment (setproctitle), so
+    the token is not enough: they are found by their group, the number of which stays ours while
+    any member lives. A group is taken for ours only if it has no leader but ours, and only its
+    members started after ours."""
     leader, started, token = record.get("pid"), record.get("started"), record.get("token")
+    if not isinstance(leader, int) or not isinstance(started, int | float):
+        return []
+    leader_now = _start_time(leader)
+    group_is_ours = leader_now is None or abs(leader_now - started) < 0.01
     found = []
     for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            ours = proc.pid == leader and isinstance(started, int | float) and _same_process(proc.pid, started)
-            ours = ours or (isinstance(token, str) and len(token) >= 16 and proc.environ().get(TOKEN_ENV) == token)
-            if ours and proc.status() != psutil.STATUS_ZOMBIE:
+        with contextlib.suppress(psutil.Error, OSError):  # OSError: os.getpgid of a process just gone
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.pid == leader:
+                ours = group_is_ours
+            elif group_is_ours and os.getpgid(proc.pid) == leader:
+                ours = proc.create_time() >= started - 0.01
+            else:
+                ours = isinstance(token, str) and len(token) >= 16 and proc.environ().get(TOKEN_ENV) == token
+            if ours:
                 found.append(proc)
     return found
 
