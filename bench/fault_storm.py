@@ -423,7 +423,7 @@ def main() -> None:
 
 def _print_servers(r: ServerStormResult) -> None:
     print(
-        "\n| rounds | kills (serving / starting / with tether) | server processes left behind | stopped by a resume | slowest clean-up | minutes |"
+        "\n| rounds | kills (serving / starting / with tether) | server processes left behind | resumes seen stopping a leftover | slowest clean-up | minutes |"
     )
     print("|---|---|---|---|---|---|")
     modes = " / ".join(str(r.modes[m]) for m in ("serving", "starting", "with tether"))
