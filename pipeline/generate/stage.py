@@ -200,6 +200,7 @@ class GenerateStage:
         for task in helpers:
             task.cancel()
         await asyncio.gather(*helpers, return_exceptions=True)
+        await self.pool.close()  # its /health probes of benched endpoints end with the stage
         for runner in self.runners.values():
             if not await asyncio.shield(runner.save(force_manifest=True)) and runner.store.buffered():
                 self.host.log(
