@@ -161,3 +161,35 @@ def run_stage(config, name: str, ctx: StageContext | None = None):
     from pipeline.training.stages import stage_functions
 
     return stage_functions()[name](config, ctx or StageContext(name))
+
+
+@pytest.fixture(scope="session")
+def zoo_files(tmp_path_factory):
+    """zoo_files("qwen3-8b") -> a folder with that real target's config, tokenizer and template
+    (no weights); made once a session."""
+    from tests.zoo.build import materialize
+
+    made: dict[str, Path] = {}
+
+    def files(target: str) -> Path:
+        if target not in made:
+            made[target] = materialize(target, tmp_path_factory.mktemp("zoo-files") / target)
+        return made[target]
+
+    return files
+
+
+@pytest.fixture(scope="session")
+def zoo_model(tmp_path_factory):
+    """zoo_model("kimi-k2.5") -> a tiny random checkpoint with that real target's structure
+    (tests/zoo/build.py); built once a session, on first use."""
+    from tests.zoo.build import build_tiny
+
+    built: dict[str, Path] = {}
+
+    def model(target: str) -> Path:
+        if target not in built:
+            built[target] = build_tiny(target, tmp_path_factory.mktemp("zoo") / target)
+        return built[target]
+
+    return model

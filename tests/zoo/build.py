@@ -1,0 +1,189 @@
+"""Tiny random models of real targets: each keeps its target's real config.json structure
+(architectures, model_type, nesting, auto_map, rope scaling, special-token ids, vocab_size),
+chat template and tokenizer, with only the sizes shrunk, saved under the weight names the real
+checkpoint uses. See SOURCE.md in each target's folder for where every artifact came from.
+
+    build_tiny("qwen3-8b", tmp_path / "qwen3")   # -> a checkpoint folder transformers loads
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import lzma
+import shutil
+from pathlib import Path
+from typing import Any
+
+ZOO = Path(__file__).parent
+TARGETS = ("kimi-k2.5", "qwen3-8b", "deepseek-v3.1", "gpt-oss-20b", "llama-3.1-8b-instruct")
+# Kimi-K2.5's template family without its own model: rendered with the K2.5 tokenizer
+TEMPLATES_ONLY = ("kimi-k2-thinking",)
+
+# Enough layers that EAGLE-3's aux layers [1, N//2-1, N-4] are distinct; head_dim >= 32 so
+# vLLM's attention backends accept the stand-in.
+TINY_LAYERS = 8
+TINY_HIDDEN = 64
+TINY_HEAD_DIM = 32
+# What each size key becomes; a key the real config lacks is not added.
+TINY_SIZES: dict[str, Any] = {
+    "hidden_size": TINY_HIDDEN,
+    "intermediate_size": 128,
+    "num_hidden_layers": TINY_LAYERS,
+    "num_attention_heads": 2,
+    "head_dim": TINY_HEAD_DIM,
+    # MoE: few small experts, still routed as the real model routes
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "experts_per_token": 2,
+    # MLA: the low-rank projections and the split head dims
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": TINY_HEAD_DIM,
+    "qk_rope_head_dim": TINY_HEAD_DIM,
+    "v_head_dim": TINY_HEAD_DIM,
+    "max_window_layers": TINY_LAYERS,
+}
+# Checkpoint formats the tiny weights are not in: the stand-in is saved unquantized
+DROPPED_KEYS = ("quantization_config",)
+
+
+def real_config(target: str) -> dict[str, Any]:
+    return json.loads((ZOO / target / "config.json").read_text())
+
+
+def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: a wrapper's ``text_config``, else the config itself."""
+    return config.get("text_config", config)
+
+
+def shrink(text: dict[str, Any]) -> dict[str, Any]:
+    tiny = {key: (TINY_SIZES[key] if key in TINY_SIZES else value) for key, value in text.items()}
+    # grouped-query attention stays grouped where the real model groups (MLA keeps kv == q heads)
+    if "num_key_value_heads" in text:
+        grouped = text["num_key_value_heads"] < text["num_attention_heads"]
+        tiny["num_key_value_heads"] = 1 if grouped else tiny["num_attention_heads"]
+    if "layer_types" in text:
+        tiny["layer_types"] = text["layer_types"][:TINY_LAYERS]
+    if text.get("n_group", 1) > 1:
+        # DeepSeek's router keeps the best groups by their top-2 experts: 2 experts per group
+        tiny["n_group"], tiny["topk_group"] = TINY_SIZES["n_routed_experts"] // 2, 2
+    for key in DROPPED_KEYS:
+        tiny.pop(key, None)
+    return tiny
+
+
+def tiny_config(target: str) -> dict[str, Any]:
+    """The real config.json with the text model's sizes shrunk, the structure untouched."""
+    config = copy.deepcopy(real_config(target))
+    if "text_config" in config:
+        config["text_config"] = shrink(config["text_config"])
+        if "vision_config" in config and "text_hidden_size" in config["vision_config"]:
+            config["vision_config"]["text_hidden_size"] = TINY_HIDDEN
+        for key in DROPPED_KEYS:
+            config.pop(key, None)
+        return config
+    return shrink(config)
+
+
+def copy_artifacts(source: Path, dest: Path) -> None:
+    """Everything but the provenance notes; compressed files land decompressed."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.name == "SOURCE.md" or path.is_dir():
+            continue
+        if path.suffix == ".xz":
+            (dest / path.stem).write_bytes(lzma.decompress(path.read_bytes()))
+        else:
+            shutil.copyfile(path, dest / path.name)
+
+
+def materialize(target: str, dest: Path) -> Path:
+    """The target's artifacts alone (config, tokenizer, template, remote code) as a model
+    folder would hold them, without weights: enough for AutoConfig and AutoTokenizer."""
+    copy_artifacts(ZOO / target, dest)
+    for module in (ZOO / target / "remote_code").glob("*.py"):
+        shutil.copyfile(module, dest / module.name)
+    return dest
+
+
+def _random_text_model(text: dict[str, Any]) -> Any:
+    """The language model the text config names, through transformers' own class for its
+    model_type (Kimi's ``kimi_k2`` text model is DeepSeek-V3's architecture)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in text.items() if k not in ("auto_map", "architectures", "model_type")}
+    model_type = "deepseek_v3" if text["model_type"] == "kimi_k2" else text["model_type"]
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def _wrapper_extras(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal wrapper's own small tensors next to the language model's (Kimi-K2.5's
+    projector), so a weight map holds more than the decoder as the real one does."""
+    import torch
+
+    width = config["vision_config"]["mm_hidden_size"] // 64
+    generator = torch.Generator().manual_seed(1)
+    return {
+        "mm_projector.pre_norm.weight": torch.ones(width, dtype=torch.bfloat16),
+        "mm_projector.pre_norm.bias": torch.zeros(width, dtype=torch.bfloat16),
+        "mm_projector.proj.0.weight": torch.randn(width * 4, width * 4, generator=generator).bfloat16(),
+        "mm_projector.proj.0.bias": torch.zeros(width * 4, dtype=torch.bfloat16),
+        "mm_projector.proj.2.weight": torch.randn(TINY_HIDDEN, width * 4, generator=generator).bfloat16(),
+        "mm_projector.proj.2.bias": torch.zeros(TINY_HIDDEN, dtype=torch.bfloat16),
+    }
+
+
+def _saved_tensors(model: Any, scratch_parent: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    scratch = scratch_parent / ".text-model"
+    model.save_pretrained(str(scratch))
+    tensors: dict[str, Any] = {}
+    for shard in scratch.glob("*.safetensors"):
+        tensors.update(load_file(str(shard)))
+    shutil.rmtree(scratch)
+    return tensors
+
+
+def save_sharded(tensors: dict[str, Any], dest: Path) -> None:
+    """Two shards and an index, as the real multi-file checkpoints are laid out: the decoder
+    layers in the first, embeddings, norm, head and the rest in the second."""
+    from safetensors.torch import save_file
+
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": [n for n in names if ".layers." in n],
+        "model-00002-of-00002.safetensors": [n for n in names if ".layers." not in n],
+    }
+    weight_map = {}
+    for file_name, members in shards.items():
+        save_file({n: tensors[n].contiguous() for n in members}, str(dest / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(members, file_name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def build_tiny(target: str, dest: Path) -> Path:
+    """A loadable tiny random checkpoint of ``target`` in ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(target)
+    model = _random_text_model(text_config_of(config))
+    if "text_config" in config:
+        # the wrapper's names: its language model under ``language_model.``, as the real weight
+        # map has it (the names save_pretrained writes are the checkpoint's, not the in-memory ones)
+        tensors = {f"language_model.{name}": t for name, t in _saved_tensors(model, dest).items()}
+        tensors.update(_wrapper_extras(config))
+        save_sharded(tensors, dest)
+    else:
+        model.save_pretrained(str(dest), max_shard_size="16MB")
+    # the real files over what save_pretrained wrote (its generation_config.json is a default one)
+    materialize(target, dest)
+    (dest / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return dest
