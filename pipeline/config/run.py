@@ -148,9 +148,8 @@ class TargetConfig:
         "auto", "`auto`: bf16 where the device supports it, else fp32", check=one_of("auto", "bfloat16", "float16", "float32")
     )
     device: str = setting("auto", "`auto`: cuda if available, else cpu")
-    device_map: str = setting(
-        "", "`auto`: spread the target over this node's GPUs (transformers + accelerate); for more, see `[extract] backend`"
-    )
+    device_map: str = setting("", "`auto`: spread the target over this node's GPUs (accelerate); for more, see `[extract] backend`")
+    trust_remote_code: bool = setting(False, "run the model's own Python code (its config.json `auto_map`); only for a model you trust")
 
     @property
     def tokenizer_path(self) -> Path:

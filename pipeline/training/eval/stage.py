@@ -17,7 +17,7 @@ from pipeline.training.artifacts import EvalResult, features_capture
 from pipeline.training.context import StageContext
 from pipeline.training.eval.offline import evaluate_offline
 from pipeline.training.modeling.drafter_config import exported_capture
-from pipeline.training.modeling.target import require_target
+from pipeline.training.modeling.target import load_target_tokenizer, require_target
 from pipeline.training.tracking import Trackers
 
 __all__ = ["evaluate"]
@@ -62,12 +62,10 @@ def _report_acceptance(config: RunConfig, result: EvalResult) -> None:
 
 def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False, backend: str | None = None) -> EvalResult:
     """Acceptance length on the held-out prompts, by ``backend`` (default: the run file's)."""
-    from transformers import AutoTokenizer
-
     target = require_target(config)
     if not untrained:
         _check_export_against_features(config)
-    tokenizer = AutoTokenizer.from_pretrained(str(target.tokenizer_path))
+    tokenizer = load_target_tokenizer(target)
     prompts = [_prompt_ids(tokenizer, row["messages"]) for row in _held_out_prompts(config)]
     chosen = backend or config.eval.backend
     if chosen in ("vllm", "sglang") and not untrained:

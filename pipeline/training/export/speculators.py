@@ -10,6 +10,7 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.training.artifacts import CaptureLayout
 from pipeline.training.modeling.layers import engine_layer_ids
+from pipeline.training.modeling.target import verifier_architectures
 
 __all__ = ["speculators_config", "speculators_dir", "speculators_weights"]
 
@@ -24,7 +25,9 @@ def speculators_weights(weights: dict[str, Any]) -> dict[str, Any]:
 
 
 def speculators_config(server: dict[str, Any], capture: CaptureLayout, verifier: Path, draft_tokens: int) -> dict[str, Any]:
-    """vllm-project/speculators' Eagle3 config: what ``vllm serve DRAFTER_DIR`` auto-detects."""
+    """vllm-project/speculators' Eagle3 config: what ``vllm serve DRAFTER_DIR`` auto-detects. The
+    verifier is named by its own architectures (its config.json's), which vLLM checks the
+    target against; the drafter's layer is a Llama layer whatever the target."""
     layer_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling", "torch_dtype")  # fmt: skip
     layer = {key: server[key] for key in layer_keys if key in server}
@@ -48,6 +51,6 @@ def speculators_config(server: dict[str, Any], capture: CaptureLayout, verifier:
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": draft_tokens}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(verifier), "architectures": ["LlamaForCausalLM"]},
+            "verifier": {"name_or_path": str(verifier), "architectures": verifier_architectures(verifier)},
         },
     }

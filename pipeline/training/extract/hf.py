@@ -26,7 +26,7 @@ from pipeline.training.extract.index import ExtractRates, extract_metrics, open_
 from pipeline.training.features.cache import StallWatch, room_for_shard
 from pipeline.training.features.shards import write_feature_shard
 from pipeline.training.modeling.layers import engine_layer_ids
-from pipeline.training.modeling.target import load_target, require_target, target_shape
+from pipeline.training.modeling.target import decoder_stack, load_target, require_target, target_shape
 
 __all__ = ["extract_hf", "forward_features", "length_batches", "pad_batch"]
 
@@ -66,7 +66,7 @@ def forward_features(model, input_ids_list, aux_layers, device, dtype=None):
 
     ids, mask = pad_batch(input_ids_list)
     with torch.inference_mode():
-        out = model.model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, use_cache=False)
+        out = decoder_stack(model)(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, use_cache=False)
         hidden = out.hidden_states  # [embeddings, layer 0 out, ..., layer N-1 out (post-norm)]
         aux = torch.cat([hidden[i] for i in engine_layer_ids(aux_layers, "hf")], dim=-1)
         final = out.last_hidden_state

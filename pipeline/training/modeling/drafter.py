@@ -29,7 +29,7 @@ from pipeline.config import RunConfig
 from pipeline.errors import InputError
 from pipeline.training.artifacts import DRAFT_VOCAB
 from pipeline.training.modeling.drafter_config import drafter_config_from_target
-from pipeline.training.modeling.target import head_and_embeddings, require_target
+from pipeline.training.modeling.target import head_and_embeddings, head_rows, load_target_config, require_target
 
 __all__ = ["EXPORTED_PREFIXES", "DraftCache", "Eagle3Drafter", "build_drafter", "load_exported"]
 
@@ -229,12 +229,13 @@ def build_drafter(config: RunConfig, aux_layers: tuple[int, ...], *, seed: int) 
     """A fresh drafter for the target: its geometry, the prepared draft vocabulary, its frozen
     embeddings."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig
 
     target = require_target(config)
-    target_config = AutoConfig.from_pretrained(str(target.model))
+    target_config = load_target_config(target)
     vocab = load_file(str(config.prepared_dir / DRAFT_VOCAB))
-    drafter_config = drafter_config_from_target(target_config, draft_vocab_size=len(vocab["d2t"]), aux_layers=aux_layers)
+    drafter_config = drafter_config_from_target(
+        target_config, draft_vocab_size=len(vocab["d2t"]), aux_layers=aux_layers, vocab_size=head_rows(target.model)
+    )
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(drafter_config)
     _, embed = head_and_embeddings(target.model)

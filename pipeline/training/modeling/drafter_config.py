@@ -32,14 +32,18 @@ def _eagle3_fields(aux_layers: Sequence[int], *, draft_vocab_size: int, target_h
     }
 
 
-def drafter_config_from_target(target_config: Any, *, draft_vocab_size: int, aux_layers: Sequence[int]) -> Any:
-    """A LlamaConfig for the drafter: the target's attention geometry, one layer, the draft vocab."""
+def drafter_config_from_target(
+    target_config: Any, *, draft_vocab_size: int, aux_layers: Sequence[int], vocab_size: int | None = None
+) -> Any:
+    """A LlamaConfig for the drafter: the target's attention geometry, one layer, the draft vocab.
+    ``vocab_size``: the target head's rows (``head_rows``), which prepare sized t2d by; the
+    config's own ``vocab_size`` where not given."""
     from transformers import LlamaConfig
 
     text = getattr(target_config, "text_config", None) or target_config
     rope = getattr(text, "rope_parameters", None) or {}
     config = LlamaConfig(
-        vocab_size=text.vocab_size,
+        vocab_size=vocab_size if vocab_size is not None else text.vocab_size,
         hidden_size=text.hidden_size,
         intermediate_size=text.intermediate_size,
         num_hidden_layers=1,

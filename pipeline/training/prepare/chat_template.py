@@ -6,10 +6,11 @@ sees exactly what serving will, for any template that renders prefixes consisten
 from __future__ import annotations
 
 from collections.abc import Collection
-from pathlib import Path
 from typing import Any
 
+from pipeline.config import TargetConfig
 from pipeline.errors import InputError
+from pipeline.training.modeling.target import load_target_tokenizer
 
 __all__ = ["PrepareError", "exact_mismatch", "load_chat_tokenizer", "tokenize_conversation", "tokenize_samples", "with_exact_reply"]
 
@@ -128,10 +129,8 @@ def with_exact_reply(
     return spliced[:max_length], spliced_mask[:max_length], len(spliced)
 
 
-def load_chat_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+def load_chat_tokenizer(target: TargetConfig) -> Any:
+    tokenizer = load_target_tokenizer(target)
     if not getattr(tokenizer, "chat_template", None):
-        raise PrepareError(f"{path}: the tokenizer has no chat template")
+        raise PrepareError(f"{target.tokenizer_path}: the tokenizer has no chat template")
     return tokenizer

@@ -27,7 +27,7 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.training.artifacts import PreparedIndex, PreparedShard
 from pipeline.training.context import StageContext
-from pipeline.training.modeling.target import require_target
+from pipeline.training.modeling.target import head_rows, require_target
 from pipeline.training.prepare.chat_template import PrepareError, exact_mismatch, load_chat_tokenizer, tokenize_samples, with_exact_reply
 from pipeline.training.prepare.inputs import Sample, fingerprint, read_conversations, read_extra
 from pipeline.training.prepare.vocab import write_draft_vocab
@@ -102,7 +102,7 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
     if existing is not None and existing.fingerprint == wanted:
         ctx.log("info", f"prepare: up to date ({existing.samples} samples); skipped")
         return existing
-    tokenizer = load_chat_tokenizer(target.tokenizer_path)
+    tokenizer = load_chat_tokenizer(target)
     rows, duplicates = read_conversations(config, ctx)
     rng = random.Random(config.prepare.seed)
     held_out, rows = _split(config, rows, rng)
@@ -125,7 +125,14 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
     counts: Counter[int] = Counter()
     for ids, mask in samples:
         counts.update(t for t, m in zip(ids, mask, strict=True) if m)
-    draft_ids = write_draft_vocab(tmp, counts, len(tokenizer), config.prepare.draft_vocab_size)
+    # one vocabulary size everywhere: the target head's rows, which t2d, the drafter and the
+    # export all index (a tokenizer can be shorter: Qwen3 151,669 ids, 151936 rows)
+    vocab_size = head_rows(target.model)
+    if counts and max(counts) >= vocab_size:
+        raise PrepareError(
+            f"prepare: token id {max(counts)} is past the target head's {vocab_size} rows: {target.tokenizer_path} is not this model's tokenizer"
+        )
+    draft_ids = write_draft_vocab(tmp, counts, vocab_size, config.prepare.draft_vocab_size)
     shards = _write_shards(tmp, samples, config.prepare.shard_samples)
     _write_held_out(tmp, held_out)
     total_assistant = sum(counts.values())
@@ -139,7 +146,7 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
         retokenized_mismatches=mismatches,
         held_out=len(held_out),
         max_length=config.prepare.max_length,
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         draft_vocab_size=len(draft_ids),
         draft_vocab_coverage=round(sum(counts[t] for t in draft_ids) / total_assistant, 6) if total_assistant else 0.0,
         tokenizer=str(target.tokenizer_path),

@@ -1,0 +1,142 @@
+"""Real targets from the zoo (tests/zoo) through the stages' target handling (issue 18):
+remote code only when opted in and never a substitute tokenizer (1), wrapped language models
+found by their config and weight map (2), one vocabulary size, the head's rows (3), and the
+speculators export naming the real verifier (10)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.config import TargetConfig, parse_run
+from pipeline.errors import ConfigError
+
+from .conftest import run_stage
+
+CONVERSATIONS = [
+    [{"role": "user", "content": f"Question {i} about 中文?"}, {"role": "assistant", "content": f"Answer {i}: 中文 and more text."}]
+    for i in range(6)
+]
+
+
+def _config(folder, model, **target):
+    (folder / "src.jsonl").write_text("\n".join(json.dumps({"conversations": c[:1]}) for c in CONVERSATIONS) + "\n")
+    generated = folder / "out" / "D" / "data.jsonl"
+    generated.parent.mkdir(parents=True, exist_ok=True)
+    generated.write_text("\n".join(json.dumps({"conversations": c}, ensure_ascii=False) for c in CONVERSATIONS) + "\n")
+    data = {
+        "name": "zoo",
+        "output_dir": str(folder / "out"),
+        "endpoints": [{"base_url": "http://127.0.0.1:9/v1", "model": "m"}],
+        "datasets": [{"name": "D", "path": str(folder / "src.jsonl"), "format": "conversations", "token_budget": 1000}],
+        "target": {"model": str(model), **target},
+        "prepare": {"draft_vocab_size": 64, "eval_fraction": 0.0},
+    }
+    return parse_run(data, origin=str(folder / "run.toml"), base_dir=folder)
+
+
+def test_remote_code_is_off_unless_the_run_file_says_so(tmp_path, zoo_files):
+    config = _config(tmp_path, zoo_files("qwen3-8b"))
+    assert config.target.trust_remote_code is False
+
+
+# ---- 1. remote code: an explicit opt-in, a clear error, never another tokenizer ------------------
+
+
+def test_prepare_refuses_a_tokenizer_that_is_the_models_own_code_without_the_opt_in(tmp_path, zoo_model):
+    """Kimi's tokenizer is tokenization_kimi.TikTokenTokenizer: without the opt-in prepare must
+    say which key to set, not load some other tokenizer built from tiktoken.model."""
+    config = _config(tmp_path, zoo_model("kimi-k2.5"))
+    with pytest.raises(ConfigError, match=r"\[target\] trust_remote_code"):
+        run_stage(config, "prepare")
+
+
+def test_loading_a_model_that_is_its_own_code_names_the_opt_in(zoo_model):
+    from pipeline.training.modeling.target import load_target
+
+    with pytest.raises(ConfigError, match=r"\[target\] trust_remote_code"):
+        load_target(TargetConfig(model=zoo_model("kimi-k2.5")))
+
+
+def test_with_the_opt_in_prepare_tokenizes_with_the_models_own_tokenizer(tmp_path, zoo_model):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    folder = zoo_model("kimi-k2.5")
+    config = _config(tmp_path, folder, trust_remote_code=True)
+    run_stage(config, "prepare")
+    kimi = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
+    assert type(kimi).__name__ == "TikTokenTokenizer"
+    own = kimi.encode(" 中文 and more text.", add_special_tokens=False)
+    trained = [int(t) for shard in sorted(config.prepared_dir.glob("shard-*.safetensors")) for t in load_file(str(shard))["input_ids"]]
+    assert ",".join(map(str, own)) in ",".join(map(str, trained)), "prepare did not use Kimi's own splits"
+
+
+# ---- 2. wrapped targets: the language model found from its text config and weight map ------------
+
+
+def test_a_wrapped_targets_head_and_embeddings_come_from_its_weight_map(zoo_model):
+    import torch
+    from safetensors import safe_open
+
+    from pipeline.training.modeling.target import head_and_embeddings
+
+    folder = zoo_model("kimi-k2.5")
+    head, embeddings = head_and_embeddings(folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(folder / index["language_model.lm_head.weight"]), framework="pt") as f:
+        assert torch.equal(head, f.get_tensor("language_model.lm_head.weight"))
+    assert embeddings.shape == head.shape == (163840, 64)
+    assert not torch.equal(head, embeddings)
+
+
+def test_extract_reads_a_wrapped_targets_decoder_stack(zoo_model):
+    import torch
+
+    from pipeline.training.extract.hf import forward_features
+    from pipeline.training.modeling.target import load_target
+
+    model, device, _ = load_target(TargetConfig(model=zoo_model("kimi-k2.5"), trust_remote_code=True))
+    ids = torch.tensor([5, 6, 7, 8])
+    aux, final = forward_features(model, [ids], (1, 3, 4), device)
+    with torch.no_grad():
+        direct = model.language_model.model(input_ids=ids[None], output_hidden_states=True)
+    assert aux.shape == (1, 4, 3 * 64)
+    assert torch.allclose(final, direct.last_hidden_state)
+    assert torch.allclose(aux[..., :64], direct.hidden_states[2])  # our layer 1 = its output
+
+
+# ---- 3. one vocabulary size: the head's rows ----------------------------------------------------
+
+
+def test_prepare_and_the_drafter_agree_on_the_heads_rows_when_the_tokenizer_is_shorter(tmp_path, zoo_model):
+    """Qwen3: 151,669 tokenizer ids, 151936 head rows. t2d, the drafter and its embeddings all
+    take the head's rows, or training crashes on the mismatch."""
+    from safetensors.torch import load_file
+
+    from pipeline.training.artifacts import DRAFT_VOCAB, PreparedIndex
+    from pipeline.training.modeling.drafter import build_drafter
+
+    config = _config(tmp_path, zoo_model("qwen3-8b"))
+    run_stage(config, "prepare")
+    index = PreparedIndex.read_if_present(config.prepared_dir)
+    assert index is not None and index.vocab_size == 151936
+    assert load_file(str(config.prepared_dir / DRAFT_VOCAB))["t2d"].shape == (151936,)
+    drafter = build_drafter(config, (1, 3, 4), seed=0)
+    assert drafter.t2d.shape == (151936,) and drafter.embed_tokens.weight.shape[0] == 151936
+
+
+# ---- 10. the speculators export names the real verifier ----------------------------------------
+
+
+@pytest.mark.parametrize("target", ["deepseek-v3.1", "kimi-k2.5", "gpt-oss-20b", "qwen3-8b"])
+def test_the_speculators_config_names_the_verifiers_own_architecture(target, zoo_files):
+    from pipeline.training.artifacts import CaptureLayout
+    from pipeline.training.export.speculators import speculators_config
+
+    folder = zoo_files(target)
+    server = {"draft_vocab_size": 64, "target_hidden_size": 64, "hidden_size": 64}
+    exported = speculators_config(server, CaptureLayout((1, 3, 4), 64), folder, draft_tokens=4)
+    real = json.loads((folder / "config.json").read_text())["architectures"]
+    assert exported["speculators_config"]["verifier"]["architectures"] == real
