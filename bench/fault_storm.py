@@ -9,7 +9,11 @@ later. What the rounds meet, mixed at random:
   error body echoes the API key, one whose server reports 10^15 tokens;
 * a full disk (a small tmpfs filled by a ballast file, freed again at a random moment; root only);
 * too few file descriptors (``RLIMIT_NOFILE`` of 40 at a concurrency of 24: EMFILE on sockets and
-  on output files alike).
+  on output files alike);
+* odd replies: ``usage`` as a string, a lone surrogate in the content (retried, then recorded);
+* a third source regenerated whole (``regenerate = "all"``, 4-turn conversations, one ending in a
+  tool call) under a budget: its overshoot must stay within in-flight x max_tokens;
+* a hangup (SIGHUP) at a random moment of a round's first second: the run must go on.
 
 Then the faults go away and a last run finishes. Checked: every source line is in data.jsonl or
 failed.jsonl exactly once, every line whole, the manifests' totals equal the files, the key in no
@@ -55,6 +59,7 @@ from pipeline.servers.launch import start_server
 from pipeline.servers.supervisor import free_port
 
 SECRET = "sk-storm-6f1d2c3b4a5e-do-not-leak"
+BUDGET_C, CONCURRENCY, MAX_TOKENS = 4000, 24, 64
 KEY_ENV = "EAGLEOPS_STORM_KEY"
 
 
@@ -70,12 +75,15 @@ class StormResult:
     recovered_records: int = 0
     storage_pauses: int = 0
     key_leaks: int = 0
+    hangups: int = 0
+    hangups_fatal: int = 0
+    budgeted_tokens: int = 0  # written by the regenerated source, against BUDGET_C + in flight x max_tokens
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def clean(self) -> bool:
-        return not (self.lost or self.duplicated or self.key_leaks or self.problems)
+        return not (self.lost or self.duplicated or self.key_leaks or self.hangups_fatal or self.problems)
 
 
 def _sources(folder: Path, rows: int) -> dict[str, tuple[Path, int]]:
@@ -86,9 +94,35 @@ def _sources(folder: Path, rows: int) -> dict[str, tuple[Path, int]]:
     a[13] = a[17] = a[19] = json.dumps({"id": "shared", "prompt": "one id, three rows"})
     a[23] = json.dumps({"id": "echo", "prompt": "x [[fault:echo-auth-late]]"})
     a[29] = json.dumps({"id": "huge", "prompt": "x [[usage:completion_tokens=1000000000000000]]"})
+    a[31] = json.dumps({"id": "oddusage", "prompt": "x [[fault:oddusagex1]]"})
+    a[37] = json.dumps({"id": "surrogate", "prompt": "x [[fault:surrogatex1]]"})
     b = [json.dumps({"prompt": f"beta {i}"}) for i in range(rows // 2)]
+    c = [
+        json.dumps(
+            {
+                "id": f"c{i}",
+                "messages": [
+                    m for k in range(4) for m in ({"role": "user", "content": f"c{i} turn {k}"}, {"role": "assistant", "content": "old"})
+                ],
+            }
+        )
+        for i in range(rows // 4)
+    ]
+    c[3] = json.dumps(
+        {
+            "id": "calls",
+            "messages": [
+                {"role": "user", "content": "add"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "1", "type": "function", "function": {"name": "add", "arguments": "{}"}}],
+                },
+            ],
+        }
+    )
     out = {}
-    for name, lines in (("A", a), ("B", b)):
+    for name, lines in (("A", a), ("B", b), ("C", c)):
         path = folder / f"{name.lower()}.jsonl"
         path.write_text("\n".join(lines) + "\n")
         out[name] = (path, len(lines))
@@ -97,13 +131,14 @@ def _sources(folder: Path, rows: int) -> dict[str, tuple[Path, int]]:
 
 def _run_file(folder: Path, out_dir: Path, live: str, dead: str, sources: dict[str, tuple[Path, int]]) -> Path:
     text = (
-        f'name = "storm"\noutput_dir = "{out_dir}"\nconcurrency = 24\nflush_interval_s = 0.05\nstatus_interval_s = 0.5\n'
-        "[sampling]\nmax_tokens = 64\n[retry]\nbase_delay_s = 0.02\nmax_delay_s = 0.3\nmax_attempts = 30\ntimeout_s = 20\n"
+        f'name = "storm"\noutput_dir = "{out_dir}"\nconcurrency = {CONCURRENCY}\nflush_interval_s = 0.05\nstatus_interval_s = 0.5\n'
+        f"[sampling]\nmax_tokens = {MAX_TOKENS}\n[retry]\nbase_delay_s = 0.02\nmax_delay_s = 0.3\nmax_attempts = 30\ntimeout_s = 20\n"
         f'[[endpoints]]\nbase_url = "{live}"\nmodel = "m"\napi_key_env = "{KEY_ENV}"\n'
         f'[[endpoints]]\nbase_url = "{dead}"\nmodel = "m"\napi_key_env = "{KEY_ENV}"\n'
     )
     for name, (path, _) in sources.items():
-        text += f'[[datasets]]\nname = "{name}"\npath = "{path}"\ntoken_budget = "1G"\n'
+        budget = f'{BUDGET_C}\nregenerate = "all"' if name == "C" else '"1G"'
+        text += f'[[datasets]]\nname = "{name}"\npath = "{path}"\ntoken_budget = {budget}\n'
     run = folder / "run.toml"
     run.write_text(text)
     return run
@@ -154,8 +189,24 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _check_budgeted(out_dir: Path, result: StormResult) -> None:
+    """The regenerated source: no conversation twice, each record ends in the target's reply, and
+    the budget overshot by no more than what can be in flight."""
+    records = [json.loads(line) for line in (out_dir / "C" / "data.jsonl").read_bytes().splitlines()]
+    result.budgeted_tokens = sum(r["completion_tokens"] for r in records)
+    if result.budgeted_tokens > BUDGET_C + CONCURRENCY * MAX_TOKENS:
+        result.problems.append(f"C: {result.budgeted_tokens} tokens written for a budget of {BUDGET_C}")
+    if len({r["id"] for r in records}) != len(records):
+        result.problems.append("C: a conversation recorded twice")
+    if any(r["conversations"][-1]["role"] != "assistant" for r in records):
+        result.problems.append("C: a record that does not end in the target's reply")
+
+
 def _check(out_dir: Path, sources: dict[str, tuple[Path, int]], result: StormResult) -> None:
+    _check_budgeted(out_dir, result)
     for name, (_, lines) in sources.items():
+        if name == "C":  # under a budget: most of its lines are never read
+            continue
         seen: Counter = Counter()
         for file in ("data.jsonl", "failed.jsonl"):
             raw = (out_dir / name / file).read_bytes()
@@ -196,6 +247,14 @@ def run_storm(workdir: Path, *, kills: int, seed: int = 1, rows_per_kill: int = 
             proc = _start(run, log, "few-fds" in modes)
             if ballast is not None:  # space comes back at a random moment, maybe only after the kill
                 threading.Timer(rng.uniform(0.5, 3.0), lambda b=ballast: b.unlink(missing_ok=True)).start()
+            if rng.random() < 0.3:  # a terminal that goes in the run's first second
+                time.sleep(rng.uniform(0.1, 1.0))
+                result.hangups += 1
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGHUP)
+                time.sleep(0.3)
+                if proc.poll() is not None and proc.returncode < 0:
+                    result.hangups_fatal += 1
             time.sleep(rng.uniform(0.7, 2.2))
             if proc.poll() is None:
                 _kill_group(proc)
@@ -409,12 +468,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="eagleops-storm-") as tmp:
         r = run_storm(Path(tmp), kills=args.kills, seed=args.seed)
     print(
-        "\n| kills | rounds | faults met | source lines | lost | duplicated | torn tails repaired | records recovered | storage pauses | key leaks | minutes |"
+        "\n| kills | rounds | faults met | source lines | lost | duplicated | torn tails repaired | records recovered | storage pauses | key leaks | hangups (fatal) | regenerated tokens / bound | minutes |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     faults = ", ".join(f"{k} {v}" for k, v in sorted(r.faults.items()))
+    bound = BUDGET_C + CONCURRENCY * MAX_TOKENS
     print(
-        f"| {r.kills} | {r.rounds} | {faults} | {r.lines} | {r.lost} | {r.duplicated} | {r.repaired_tails} | {r.recovered_records} | {r.storage_pauses} | {r.key_leaks} | {r.seconds / 60:.1f} |"
+        f"| {r.kills} | {r.rounds} | {faults} | {r.lines} | {r.lost} | {r.duplicated} | {r.repaired_tails} | {r.recovered_records} | {r.storage_pauses} | {r.key_leaks} | {r.hangups} ({r.hangups_fatal}) | {r.budgeted_tokens:,} / {bound:,} | {r.seconds / 60:.1f} |"
     )
     for problem in r.problems:
         print(f"PROBLEM: {problem}")

@@ -8,6 +8,8 @@ Faults are asked for in the prompt text, so a test decides exactly what each rec
     [[fault:malformedx1]] HTTP 200 with a body that is not JSON
     [[fault:stall]]      never answers; counts the client's disconnect
     [[fault:nousage]]    success without ``usage``
+    [[fault:oddusagex1]] HTTP 200 whose ``usage`` is a string, not an object
+    [[fault:surrogatex1]] HTTP 200 whose content holds a lone surrogate (``\ud800``)
     [[fault:echo-auth]]  HTTP 400 whose body echoes the Authorization header (redaction test);
                          ``echo-auth-late`` echoes it across byte 300, ``echo-auth-json`` with
                          every ``-`` escaped as ``\u002d``, ``echo-auth-200`` in a reply's content
@@ -178,6 +180,10 @@ class FaultServer:
             return web.json_response({"error": {"message": "rate limited"}}, status=429, headers={"Retry-After": f"{self.retry_after:g}"})
         if fault == "malformed":
             return web.Response(body=b'{"choices": [ this is not json', content_type="application/json")
+        if fault in ("oddusage", "surrogate"):  # valid JSON, but not a reply anyone can record
+            content, usage = ("fine", '"12"') if fault == "oddusage" else ("half a pair \\ud800", '{"completion_tokens": 3}')
+            body = f'{{"choices": [{{"message": {{"role": "assistant", "content": "{content}"}}, "finish_reason": "stop"}}], "usage": {usage}}}'
+            return web.Response(body=body.encode(), content_type="application/json")
         if fault == "reset":
             response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "4096"})
             await response.prepare(request)
