@@ -107,6 +107,33 @@ def test_extract_reads_a_wrapped_targets_decoder_stack(zoo_model):
     assert torch.allclose(aux[..., :64], direct.hidden_states[2])  # our layer 1 = its output
 
 
+@pytest.mark.parametrize(
+    ("layout", "head"),
+    [
+        ("model.language_model.", "lm_head.weight"),  # a transformers-5 VLM (Qwen2.5-VL, Gemma 3)
+        ("language_model.model.", "language_model.lm_head.weight"),  # LLaVA-style
+        ("model.language_model.", None),  # tied: the embeddings are the head
+    ],
+)
+def test_any_wrappers_language_model_is_found_beside_its_vision_tower(tmp_path, layout, head):
+    import torch
+    from safetensors.torch import save_file
+
+    from pipeline.training.modeling.target import language_model_weights
+
+    config = {"architectures": ["SomeVLForConditionalGeneration"], "vision_config": {"depth": 2}}
+    config["text_config"] = {"num_hidden_layers": 2, "hidden_size": 4, "vocab_size": 10}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {f"{layout}embed_tokens.weight": torch.zeros(10, 4), f"{layout}norm.weight": torch.ones(4)}
+    tensors.update({f"{layout}layers.{i}.mlp.weight": torch.zeros(4, 4) for i in range(2)})
+    tensors.update({f"model.visual.blocks.{i}.weight": torch.zeros(4, 4) for i in range(2)})
+    tensors["model.visual.embed_tokens.weight"] = torch.zeros(3, 4)  # a tower with its own embeddings
+    if head:
+        tensors[head] = torch.ones(10, 4)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert language_model_weights(tmp_path) == (head or f"{layout}embed_tokens.weight", f"{layout}embed_tokens.weight")
+
+
 # ---- 3. one vocabulary size: the head's rows ----------------------------------------------------
 
 
