@@ -16,11 +16,17 @@ from .conftest import run_stage
 
 CONVERSATIONS = [
     [{"role": "user", "content": f"Question {i} about 中文?"}, {"role": "assistant", "content": f"Answer {i}: 中文 and more text."}]
-    for i in range(6)
+    for i in range(24)
 ]
+# the ML stages at the zoo's tiny size
+STAGE_SETTINGS = {
+    "extract": {"shard_samples": 8, "batch_tokens": 512},
+    "train": {"epochs": 1, "max_steps": 6, "lr": 3e-3, "batch_size": 4, "ttt_length": 2, "checkpoint_every": 50, "log_every": 2},
+    "eval": {"prompts": 2, "max_new_tokens": 8, "draft_tokens": 2},
+}
 
 
-def _config(folder, model, **target):
+def _config(folder, model, sections=None, **target):
     (folder / "src.jsonl").write_text("\n".join(json.dumps({"conversations": c[:1]}) for c in CONVERSATIONS) + "\n")
     generated = folder / "out" / "D" / "data.jsonl"
     generated.parent.mkdir(parents=True, exist_ok=True)
@@ -32,6 +38,7 @@ def _config(folder, model, **target):
         "datasets": [{"name": "D", "path": str(folder / "src.jsonl"), "format": "conversations", "token_budget": 1000}],
         "target": {"model": str(model), **target},
         "prepare": {"draft_vocab_size": 64, "eval_fraction": 0.0},
+        **(sections or {}),
     }
     return parse_run(data, origin=str(folder / "run.toml"), base_dir=folder)
 
@@ -167,3 +174,23 @@ def test_the_speculators_config_names_the_verifiers_own_architecture(target, zoo
     exported = speculators_config(server, CaptureLayout((1, 3, 4), 64), folder, draft_tokens=4)
     real = json.loads((folder / "config.json").read_text())["architectures"]
     assert exported["speculators_config"]["verifier"]["architectures"] == real
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("target", "options"), [("kimi-k2.5", {"trust_remote_code": True}), ("qwen3-8b", {})])
+def test_a_real_targets_stand_in_goes_through_every_ml_stage(tmp_path, zoo_model, target, options):
+    """Kimi-K2.5 (a wrapper, remote code) and Qwen3 (a tokenizer shorter than the head):
+    prepare, extract, train, export and eval run, and the export names the real verifier."""
+    import asyncio
+
+    from pipeline.engine import Engine
+    from pipeline.protocol.events import StageStatus
+
+    folder = zoo_model(target)
+    sections = {**STAGE_SETTINGS, "prepare": {"draft_vocab_size": 64, "eval_fraction": 0.1, "eval_max": 2}}
+    config = _config(tmp_path, folder, sections, **options)
+    stages = ("prepare", "extract", "train", "export", "eval")
+    summary = asyncio.run(Engine(config, stages=stages).run())
+    assert all(summary.stages[s] == StageStatus.DONE for s in stages), summary.stages
+    exported = json.loads((config.export_dir.with_name(config.export_dir.name + "-speculators") / "config.json").read_text())
+    assert exported["speculators_config"]["verifier"]["architectures"] == json.loads((folder / "config.json").read_text())["architectures"]

@@ -96,6 +96,21 @@ def test_both_vocabulary_sizes_are_the_real_ones(target, zoo_files):
     assert len(_tokenizer(zoo_files(target), target)) == tokenizer_length
 
 
+# ids the models' own tokenizers give (their published tokenizer.json files)
+REFERENCE_IDS = {
+    "qwen3-8b": ("Hello world", [9707, 1879]),
+    "llama-3.1-8b-instruct": ("Hello world", [9906, 1917]),
+    "gpt-oss-20b": ("Hello world", [13225, 2375]),
+    "deepseek-v3.1": ("<think>", [128798]),
+}
+
+
+@pytest.mark.parametrize("target", sorted(REFERENCE_IDS))
+def test_the_tokenizer_gives_the_real_models_ids(target, zoo_files):
+    text, ids = REFERENCE_IDS[target]
+    assert _tokenizer(zoo_files(target), target).encode(text, add_special_tokens=False) == ids
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_the_chat_template_renders_reasoning_and_a_tool_call(target, zoo_files):
     tokenizer = _tokenizer(zoo_files(target), target)
