@@ -177,10 +177,20 @@ def test_the_speculators_config_names_the_verifiers_own_architecture(target, zoo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("target", "options"), [("kimi-k2.5", {"trust_remote_code": True}), ("qwen3-8b", {})])
+@pytest.mark.parametrize(
+    ("target", "options"),
+    [
+        ("kimi-k2.5", {"trust_remote_code": True}),
+        ("qwen3-8b", {}),
+        ("deepseek-v3.1", {}),
+        ("gpt-oss-20b", {}),
+        ("llama-3.1-8b-instruct", {}),
+    ],
+)
 def test_a_real_targets_stand_in_goes_through_every_ml_stage(tmp_path, zoo_model, target, options):
-    """Kimi-K2.5 (a wrapper, remote code) and Qwen3 (a tokenizer shorter than the head):
-    prepare, extract, train, export and eval run, and the export names the real verifier."""
+    """Every zoo target, among them Kimi-K2.5 (a wrapper, remote code), Qwen3 and DeepSeek-V3.1
+    (tokenizers shorter than the head): prepare, extract, train, export and eval run, and the
+    export names the real verifier."""
     import asyncio
 
     from pipeline.engine import Engine
