@@ -204,3 +204,103 @@ def test_a_real_targets_stand_in_goes_through_every_ml_stage(tmp_path, zoo_model
     assert all(summary.stages[s] == StageStatus.DONE for s in stages), summary.stages
     exported = json.loads((config.export_dir.with_name(config.export_dir.name + "-speculators") / "config.json").read_text())
     assert exported["speculators_config"]["verifier"]["architectures"] == json.loads((folder / "config.json").read_text())["architectures"]
+
+
+# ---- 9. a turn ends with the template's own token, not necessarily the tokenizer's eos ----------
+
+TURN_ENDS = {
+    "kimi-k2.5": "<|im_end|>",  # its eos is [EOS]
+    "qwen3-8b": "<|im_end|>",
+    "deepseek-v3.1": "<｜end▁of▁sentence｜>",
+    "gpt-oss-20b": "<|return|>",  # <|end|> closes a turn only in the history
+    "llama-3.1-8b-instruct": "<|eot_id|>",
+}
+
+
+def _own_tokenizer(folder, target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=target.startswith("kimi"))
+
+
+@pytest.mark.parametrize("target", sorted(TURN_ENDS))
+def test_the_turn_end_is_learned_from_the_chat_template(target, zoo_files):
+    from pipeline.training.modeling.turns import reply_stop_ids, turn_ends
+
+    folder = zoo_files(target)
+    tokenizer = _own_tokenizer(folder, target)
+    ends = turn_ends(tokenizer)
+    assert tokenizer.convert_ids_to_tokens(ends[0]) == TURN_ENDS[target]
+    listed = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+    stops = reply_stop_ids(tokenizer, folder)
+    assert ends[0] in stops and set(listed if isinstance(listed, list) else [listed]) <= stops
+
+
+@pytest.mark.parametrize("target", ["kimi-k2.5", "qwen3-8b"])
+def test_the_generated_ids_replace_a_reply_ending_with_the_turn_end_not_the_eos(target, zoo_files):
+    """Kimi ends a turn with <|im_end|> while its eos is [EOS]; Qwen3 renders a newline after
+    <|im_end|>: the server's ids are spliced in all the same, its turn end trained, the
+    template's text after it not."""
+    from pipeline.training.prepare.chat_template import tokenize_samples, with_exact_reply
+
+    tokenizer = _own_tokenizer(zoo_files(target), target)
+    end = tokenizer.convert_tokens_to_ids(TURN_ENDS[target])
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cache keeps tokens"}]
+    rendered = tokenize_samples(tokenizer, messages, 4096)[0]
+    before = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True)
+    before = list(before["input_ids"] if hasattr(before, "keys") else before)
+    reply = [tok for ch in "the cache keeps tokens" for tok in tokenizer.encode(ch, add_special_tokens=False)]
+    ids, mask, _ = with_exact_reply(tokenizer, messages, rendered, [*reply, end], 4096)
+    assert ids[: len(before)] == before and ids[len(before) : len(before) + len(reply) + 1] == [*reply, end]
+    assert mask[len(before) :] == [1] * (len(reply) + 1) + [0] * (len(ids) - len(before) - len(reply) - 1)
+
+
+def test_eval_stops_a_kimi_reply_at_its_turn_end(tmp_path, zoo_model, monkeypatch):
+    """Kimi's replies end with <|im_end|>, not its eos [EOS]: offline eval must stop on it (and on
+    generation_config's eos ids), or it measures acceptance on text the target never serves."""
+    from transformers import AutoTokenizer
+
+    import pipeline.training.eval.stage as eval_stage
+
+    folder = zoo_model("kimi-k2.5")
+    sections = {**STAGE_SETTINGS, "prepare": {"draft_vocab_size": 64, "eval_fraction": 0.1, "eval_max": 2}}
+    config = _config(tmp_path, folder, sections, trust_remote_code=True)
+    run_stage(config, "prepare")
+    seen = {}
+
+    def offline(config, ctx, prompts, stops, *, untrained):
+        seen["stops"] = set(stops)
+        raise RuntimeError("stops seen")
+
+    monkeypatch.setattr(eval_stage, "evaluate_offline", offline)
+    with pytest.raises(RuntimeError, match="stops seen"):
+        eval_stage.evaluate(config, eval_stage.StageContext("eval"), untrained=True)
+    kimi = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
+    assert kimi.convert_tokens_to_ids("<|im_end|>") in seen["stops"]
+
+
+def test_speculative_decoding_stops_on_any_of_the_replys_stop_ids():
+    """gpt-oss and Llama-3.1 list several eos ids: the reply ends at the first of any of them."""
+    import torch
+
+    from pipeline.training.eval.offline import speculative_generate
+
+    script = [5, 6, 9, 7, 8]  # the target's greedy continuation; 9 is one of several stop ids
+
+    class Target(torch.nn.Module):
+        def forward(self, input_ids, output_hidden_states, use_cache):
+            n = input_ids.shape[1]
+            logits = torch.zeros(1, n, 16)
+            for i in range(n):
+                logits[0, i, script[min(max(i - 1, 0), len(script) - 1)]] = 1.0
+            hidden = torch.zeros(1, n, 4)
+            return type("Out", (), {"logits": logits, "hidden_states": [hidden] * 4})()
+
+    class Drafter:
+        def propose(self, aux, tokens, k):
+            return [0] * k
+
+    generated, _ = speculative_generate(
+        Target(), Drafter(), [1, 2], aux_layers=(0, 1, 2), k=2, max_new_tokens=8, stops={3, 9}, device="cpu"
+    )
+    assert generated == [5, 6]

@@ -10,6 +10,8 @@ checked on every prompt.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from pipeline.config import RunConfig
@@ -32,14 +34,15 @@ def _target_pass(model, ids: list[int], aux_layers, device):
 
 @torch.no_grad()
 def speculative_generate(
-    model, drafter: Eagle3Drafter, prompt: list[int], *, aux_layers, k: int, max_new_tokens: int, eos: int | None, device
+    model, drafter: Eagle3Drafter, prompt: list[int], *, aux_layers, k: int, max_new_tokens: int, stops: Collection[int], device
 ):
-    """Returns (generated ids, accepted drafts per verify step)."""
+    """Returns (generated ids, accepted drafts per verify step). ``stops``: every id that ends
+    the target's reply (``reply_stop_ids``: its turn end, not only the tokenizer's eos)."""
     aux, greedy = _target_pass(model, prompt, aux_layers, device)
     seq, pending = list(prompt), greedy[-1]  # ``pending``: the target's next token, not yet appended
     accepted_per_step: list[int] = []
     generated: list[int] = []
-    while len(generated) < max_new_tokens and pending != eos:
+    while len(generated) < max_new_tokens and pending not in stops:
         tokens = torch.tensor([seq[1:] + [pending]], device=device)
         drafts = drafter.propose(aux[:, : len(seq)], tokens, k)
         candidate = seq + [pending] + drafts
@@ -53,23 +56,30 @@ def speculative_generate(
         seq += new
         generated += new
         pending = greedy[base + accepted]
-        if eos is not None and eos in new:
-            generated = generated[: generated.index(eos)]
+        if any(token in stops for token in new):
+            generated = _until_stop(generated, stops)
             break
     return generated[:max_new_tokens], accepted_per_step
 
 
 @torch.no_grad()
-def _greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None, device) -> list[int]:
+def _greedy(model, prompt: list[int], max_new_tokens: int, stops: Collection[int], device) -> list[int]:
+    eos = sorted(stops) or None
     out = model.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long, device=device),
-                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)  # fmt: skip
-    tokens = out[0, len(prompt) :].tolist()
-    if eos is not None and eos in tokens:
-        tokens = tokens[: tokens.index(eos)]
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else None)  # fmt: skip
+    return _until_stop(out[0, len(prompt) :].tolist(), stops)
+
+
+def _until_stop(tokens: list[int], stops: Collection[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[:i]
     return tokens
 
 
-def evaluate_offline(config: RunConfig, ctx: StageContext, prompts: list[list[int]], eos: int | None, *, untrained: bool) -> EvalResult:
+def evaluate_offline(
+    config: RunConfig, ctx: StageContext, prompts: list[list[int]], stops: Collection[int], *, untrained: bool
+) -> EvalResult:
     target = require_target(config)
     model, device, _ = load_target(target)
     aux_layers = FeaturesIndex.read(config.features_dir).capture.aux_layers  # the export's too: ``evaluate`` checked
@@ -85,9 +95,9 @@ def evaluate_offline(config: RunConfig, ctx: StageContext, prompts: list[list[in
     for i, prompt in enumerate(prompts):
         ctx.checkpoint()
         generated, accepted = speculative_generate(
-            model, drafter, prompt, aux_layers=aux_layers, k=k, max_new_tokens=config.eval.max_new_tokens, eos=eos, device=device
+            model, drafter, prompt, aux_layers=aux_layers, k=k, max_new_tokens=config.eval.max_new_tokens, stops=stops, device=device
         )
-        if generated != _greedy(model, prompt, len(generated), eos, device)[: len(generated)]:
+        if generated != _greedy(model, prompt, len(generated), stops, device)[: len(generated)]:
             mismatches += 1
         steps += accepted
         ctx.progress(i + 1, len(prompts), "prompts")

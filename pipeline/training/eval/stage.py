@@ -18,6 +18,7 @@ from pipeline.training.context import StageContext
 from pipeline.training.eval.offline import evaluate_offline
 from pipeline.training.modeling.drafter_config import exported_capture
 from pipeline.training.modeling.target import load_target_tokenizer, require_target
+from pipeline.training.modeling.turns import reply_stop_ids
 from pipeline.training.tracking import Trackers
 
 __all__ = ["evaluate"]
@@ -74,7 +75,7 @@ def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False, b
         serve = evaluate_served if chosen == "vllm" else evaluate_sglang
         result = serve(config, ctx, prompts, config.export_dir)
     else:
-        result = evaluate_offline(config, ctx, prompts, tokenizer.eos_token_id, untrained=untrained)
+        result = evaluate_offline(config, ctx, prompts, reply_stop_ids(tokenizer, target.model), untrained=untrained)
     if not untrained:
         (config.output_dir / "eval.json").write_text(json.dumps(result.to_json(), indent=1))
         _report_acceptance(config, result)

@@ -11,6 +11,7 @@ from typing import Any
 from pipeline.config import TargetConfig
 from pipeline.errors import InputError
 from pipeline.training.modeling.target import load_target_tokenizer
+from pipeline.training.modeling.turns import turn_ends
 
 __all__ = ["PrepareError", "exact_mismatch", "load_chat_tokenizer", "tokenize_conversation", "tokenize_samples", "with_exact_reply"]
 
@@ -101,31 +102,54 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], max_le
     return tokenize_samples(tokenizer, messages, max_length)[0]
 
 
-def exact_mismatch(tokenizer: Any, messages: list[dict[str, Any]], generated: list[int]) -> bool:
-    """Whether the last reply, re-tokenised by the template, differs from the ids the server generated."""
+def _reply_body(generated: list[int], ends: Collection[int]) -> list[int]:
+    """The generated ids without the turn end the server may have returned with them."""
+    return generated[:-1] if generated and generated[-1] in ends else list(generated)
+
+
+def _ends(tokenizer: Any, ends: Collection[int] | None) -> frozenset[int]:
+    """The ids that may close a reply: the template's turn ends (learned from it, not its eos:
+    Kimi's eos is [EOS], its turns end with <|im_end|>) and the tokenizer's eos."""
+    known = set(turn_ends(tokenizer) if ends is None else ends)
+    if tokenizer.eos_token_id is not None:
+        known.add(tokenizer.eos_token_id)
+    return frozenset(known)
+
+
+def exact_mismatch(tokenizer: Any, messages: list[dict[str, Any]], generated: list[int], ends: Collection[int] | None = None) -> bool:
+    """Whether the last reply, re-tokenised by the template, differs from the ids the server
+    generated. ``ends``: the template's turn ends (``turn_ends``), learned here if not given."""
     before = _render(tokenizer, messages[:-1], generation_prompt=True)
     span = _render(tokenizer, messages)[len(before) :]
-    eos = tokenizer.eos_token_id
-    body = generated[:-1] if generated and generated[-1] == eos else generated
+    body = _reply_body(generated, _ends(tokenizer, ends))
     return span[: len(body)] != body
 
 
 def with_exact_reply(
-    tokenizer: Any, messages: list[dict[str, Any]], sample: tuple[list[int], list[int], int], generated: list[int], max_length: int
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    sample: tuple[list[int], list[int], int],
+    generated: list[int],
+    max_length: int,
+    ends: Collection[int] | None = None,
 ) -> tuple[list[int], list[int], int]:
     """The sample with its last reply as the ids the server generated (thinking included), where
     the template's re-tokenisation differs: the drafter learns what the target really produced.
-    Only where the template ends the reply with the end-of-sequence token, so the splice is exact."""
+    The reply is located up to the template's turn end (not the tokenizer's eos); what the
+    template writes after that end (Qwen3's newline) stays, untrained: the target never wrote it."""
     ids, mask, _ = sample
     before = _render(tokenizer, messages[:-1], generation_prompt=True)
     full = _render(tokenizer, messages)
-    eos = tokenizer.eos_token_id
-    body = generated[:-1] if generated and generated[-1] == eos else list(generated)
+    known = _ends(tokenizer, ends)
+    body = _reply_body(generated, known)
     span = full[len(before) :]
-    if not body or span[: len(body)] == body or not span or span[-1] != eos or len(full) != len(before) + len(span):
+    closing = [i for i, token in enumerate(span) if token in known]
+    if not body or span[: len(body)] == body or not closing or full[: len(before)] != before:
         return sample
-    spliced = before + body + [eos]
-    spliced_mask = (mask + [0] * len(full))[: len(before)] + [1] * (len(body) + 1)
+    end = closing[-1]
+    emitted = list(generated) if len(body) < len(generated) else [*body, span[end]]
+    spliced = before + emitted + span[end + 1 :]
+    spliced_mask = (mask + [0] * len(full))[: len(before)] + [1] * len(emitted) + [0] * (len(span) - end - 1)
     return spliced[:max_length], spliced_mask[:max_length], len(spliced)
 
 

@@ -28,6 +28,7 @@ from pipeline.config import RunConfig
 from pipeline.training.artifacts import PreparedIndex, PreparedShard
 from pipeline.training.context import StageContext
 from pipeline.training.modeling.target import head_rows, require_target
+from pipeline.training.modeling.turns import turn_ends
 from pipeline.training.prepare.chat_template import PrepareError, exact_mismatch, load_chat_tokenizer, tokenize_samples, with_exact_reply
 from pipeline.training.prepare.inputs import Sample, fingerprint, read_conversations, read_extra
 from pipeline.training.prepare.vocab import write_draft_vocab
@@ -40,14 +41,15 @@ def _tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int, 
     many replies re-tokenise differently from the ids the server generated."""
     samples: list[Sample] = []
     truncated = mismatches = 0
+    ends = turn_ends(tokenizer)  # learned once: each splice locates the reply by them
     for i, row in enumerate(rows):
         ctx.checkpoint()
         try:
             rendered = tokenize_samples(tokenizer, row["messages"], max_length, row.get("trained"))
             last_is_target = row.get("trained") is None or len(row["messages"]) - 1 in row["trained"]
-            if row.get("exact") and last_is_target and exact_mismatch(tokenizer, row["messages"], list(row["exact"])):
+            if row.get("exact") and last_is_target and exact_mismatch(tokenizer, row["messages"], list(row["exact"]), ends):
                 mismatches += 1
-                rendered[0] = with_exact_reply(tokenizer, row["messages"], rendered[0], list(row["exact"]), max_length)
+                rendered[0] = with_exact_reply(tokenizer, row["messages"], rendered[0], list(row["exact"]), max_length, ends)
         except PrepareError as exc:
             raise PrepareError(f"{row['dataset']}/{row['id']}: {exc}") from None
         for ids, mask, full_length in rendered:
