@@ -304,3 +304,37 @@ def test_speculative_decoding_stops_on_any_of_the_replys_stop_ids():
         Target(), Drafter(), [1, 2], aux_layers=(0, 1, 2), k=2, max_new_tokens=8, stops={3, 9}, device="cpu"
     )
     assert generated == [5, 6]
+
+
+# ---- 6. thinking off in each template's own words -----------------------------------------------
+
+OWN_SWITCH = {"kimi-k2.5": {"thinking": False}, "deepseek-v3.1": {"thinking": False}, "qwen3-8b": {"enable_thinking": False}}
+
+
+@pytest.mark.parametrize("target", sorted(OWN_SWITCH))
+def test_thinking_off_is_learned_from_the_chat_template(target, zoo_files):
+    from pipeline.training.modeling.thinking_switch import thinking_off_kwargs
+
+    assert thinking_off_kwargs(_own_tokenizer(zoo_files(target), target)) == OWN_SWITCH[target]
+
+
+async def test_generate_turns_thinking_off_with_the_targets_own_switch(tmp_path, zoo_files, fault_server):
+    """Kimi-K2.5's template reads `thinking`, not `enable_thinking`: generate asks for what the
+    configured target reads; without a target, the run file's `thinking_off_kwargs` says."""
+    from pipeline.engine import Engine
+
+    from .conftest import make_config, write_jsonl
+
+    source = write_jsonl(tmp_path / "a.jsonl", [{"id": f"a{i}", "prompt": f"q {i} [[think:reasoning]]"} for i in range(3)])
+    datasets = [{"name": "A", "path": str(source), "token_budget": "1M", "thinking": "off"}]
+    fault_server.reset()
+    config = make_config(
+        tmp_path, fault_server.base_url, datasets, target={"model": str(zoo_files("kimi-k2.5")), "trust_remote_code": True}
+    )
+    assert (await Engine(config, stages=("generate",)).run()).ok
+    assert fault_server.stats()["thinking_off_thinking"] == 3 and fault_server.stats()["thinking_off_enable_thinking"] == 0
+    fault_server.reset()
+    sampling = {"max_tokens": 64, "thinking_off_kwargs": {"thinking": False}}
+    config = make_config(tmp_path / "plain", fault_server.base_url, datasets, sampling=sampling)
+    assert (await Engine(config, stages=("generate",)).run()).ok
+    assert fault_server.stats()["thinking_off_thinking"] == 3

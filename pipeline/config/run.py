@@ -105,6 +105,7 @@ class SamplingConfig:
     extra: dict[str, Any] = setting(
         {}, "more request fields, sent as given (e.g. `top_k`)", check=_RequestFields(lambda v: True, "fields that keep the protocol")
     )
+    thinking_off_kwargs: dict[str, Any] | None = setting(None, "`chat_template_kwargs` turning thinking off; default: the target's own")
 
 
 @dataclass(frozen=True)

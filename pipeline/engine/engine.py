@@ -90,13 +90,18 @@ class Engine:
         gpu_reader: GpuReader | None = None,
         stages: tuple[str, ...] | None = None,
     ):
+        self.stages = tuple(stages) if stages is not None else config.stage_names
+        if "generate" in self.stages:
+            # thinking off in the words the target's own template reads (Kimi `thinking`, Qwen3 `enable_thinking`)
+            from pipeline.training.modeling.thinking_switch import with_target_thinking_switch
+
+            config = with_target_thinking_switch(config)
         self.config = config
         self.telemetry_interval_s = telemetry_interval_s
         self.gpu_reader = gpu_reader or gpu_reader_from_env()
         self.latest_telemetry: dict[str, Event] = {}
         self.redact = Redactor(config.secrets())
         self.bus = EventBus(self.snapshot)
-        self.stages = tuple(stages) if stages is not None else config.stage_names
         self.stage_states = {name: StageState(name, StageStatus.PENDING if name in self.stages else StageStatus.SKIPPED) for name in STAGES}
         self.generate = GenerateStage(config, self, clock=clock, progress_interval_s=progress_interval_s)
         self.compute = ComputeStages(config, self, self.redact)

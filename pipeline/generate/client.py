@@ -156,7 +156,13 @@ class ChatClient:
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
             "stream": False,
-            **request_fields(self.sampling.extra, kind=ep.kind, base_url=ep.base_url, thinking=thinking),
+            **request_fields(
+                self.sampling.extra,
+                kind=ep.kind,
+                base_url=ep.base_url,
+                thinking=thinking,
+                template_switch=self.sampling.thinking_off_kwargs,
+            ),
         }
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 

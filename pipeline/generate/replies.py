@@ -4,7 +4,8 @@ Thinking: vLLM puts it in ``message.reasoning`` (``reasoning_content`` is its de
 SGLang in ``message.reasoning_content`` (with ``--reasoning-parser``), OpenRouter in
 ``message.reasoning``; a server without a parser leaves it inline, ``<think>...</think>`` at the
 start of the content. Turning it off is a chat-template switch for vLLM and SGLang
-(``chat_template_kwargs.enable_thinking``) and ``reasoning.enabled`` for OpenRouter.
+(``chat_template_kwargs``, in the words of the target's template: ``enable_thinking`` for Qwen3,
+``thinking`` for Kimi-K2.5 and DeepSeek-V3.1) and ``reasoning.enabled`` for OpenRouter.
 """
 
 from __future__ import annotations
@@ -35,17 +36,21 @@ class Reply:
     cost: float | None
 
 
-def thinking_off_fields(kind: str, base_url: str) -> dict[str, Any]:
+def thinking_off_fields(kind: str, base_url: str, template_switch: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``template_switch``: the kwargs the target's own chat template reads (Kimi-K2.5 and
+    DeepSeek-V3.1 ``thinking``, Qwen3 ``enable_thinking``); Qwen3's where none is known."""
     if kind == "openrouter" or (kind == "auto" and "openrouter.ai" in base_url):
         return {"reasoning": {"enabled": False}}
-    return {"chat_template_kwargs": {"enable_thinking": False}}
+    return {"chat_template_kwargs": dict(template_switch) if template_switch else {"enable_thinking": False}}
 
 
-def request_fields(extra: dict[str, Any], *, kind: str, base_url: str, thinking: str) -> dict[str, Any]:
+def request_fields(
+    extra: dict[str, Any], *, kind: str, base_url: str, thinking: str, template_switch: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The run file's extra fields, plus what the thinking mode and the server kind ask for."""
     fields = dict(extra)
     if thinking == "off":
-        for key, value in thinking_off_fields(kind, base_url).items():
+        for key, value in thinking_off_fields(kind, base_url, template_switch).items():
             fields[key] = {**(fields.get(key) or {}), **value}
     if kind == "vllm":
         fields.setdefault("return_token_ids", True)  # the exact tokens, for prepare

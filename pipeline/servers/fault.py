@@ -22,7 +22,8 @@ Faults are asked for in the prompt text, so a test decides exactly what each rec
     [[think:FORM]]       a reasoning model's reply: its thinking in ``message.reasoning`` (vLLM,
                          OpenRouter), ``message.reasoning_content`` (SGLang) or ``inline``
                          (``<think>..</think>`` in content), with ``reasoning_tokens`` in usage;
-                         none when the request turns thinking off (counted in ``thinking_off``)
+                         none when the request turns thinking off (counted in ``thinking_off``,
+                         and by switch in ``thinking_off_enable_thinking`` / ``_thinking``)
 
 ``--fault-rate`` adds random transient faults (500, 429, reset, malformed) to any request.
 ``GET /admin/stats`` reports requests, completions, disconnects and peak concurrency.
@@ -55,6 +56,8 @@ class FaultServer:
         self.rng = random.Random(seed)
         self.attempts: dict[str, int] = {}
         self.stats = {"requests": 0, "completed": 0, "disconnects": 0, "in_flight": 0, "max_in_flight": 0, "faults": 0, "thinking_off": 0}
+        # which switch turned it off: templates read different ones (Qwen3 enable_thinking, Kimi thinking)
+        self.stats.update({f"thinking_off_{switch}": 0 for switch in _TEMPLATE_SWITCHES})
         self._canned: dict[int, bytes] = {}
 
     def app(self) -> web.Application:
@@ -150,8 +153,10 @@ class FaultServer:
             payload["usage"]["cost"] = cost
             body = json.dumps(payload).encode()
         think = next((arg for kind, arg in directives if kind == "think"), None)
-        if _thinking_off(request_body):
+        if switch := _thinking_off(request_body):
             self.stats["thinking_off"] += 1
+            if switch in _TEMPLATE_SWITCHES:
+                self.stats[f"thinking_off_{switch}"] += 1
             think = None
         if think is not None:
             body = _with_thinking(body, think)
@@ -213,11 +218,16 @@ def _edited(body: bytes, edits: list[tuple[str, str]]) -> bytes:
 _THOUGHT = "first I weigh the cases then I check the sum"
 
 
-def _thinking_off(body: dict) -> bool:
-    """The ways clients turn thinking off: a chat-template switch (vLLM, SGLang) or OpenRouter's."""
+_TEMPLATE_SWITCHES = ("enable_thinking", "thinking")
+
+
+def _thinking_off(body: dict) -> str | None:
+    """How the request turns thinking off, if it does: a chat-template switch (vLLM, SGLang;
+    named as the template reads it) or OpenRouter's ``reasoning.enabled``."""
     template = body.get("chat_template_kwargs") or {}
     reasoning = body.get("reasoning") or {}
-    return template.get("enable_thinking") is False or reasoning.get("enabled") is False
+    switch = next((name for name in _TEMPLATE_SWITCHES if template.get(name) is False), None)
+    return switch or ("reasoning.enabled" if reasoning.get("enabled") is False else None)
 
 
 def _with_thinking(body: bytes, form: str) -> bytes:
