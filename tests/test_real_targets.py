@@ -338,3 +338,18 @@ async def test_generate_turns_thinking_off_with_the_targets_own_switch(tmp_path,
     config = make_config(tmp_path / "plain", fault_server.base_url, datasets, sampling=sampling)
     assert (await Engine(config, stages=("generate",)).run()).ok
     assert fault_server.stats()["thinking_off_thinking"] == 3
+
+
+@pytest.mark.parametrize("target", ["llama-3.1-8b-instruct", "kimi-k2.5"])
+def test_the_model_server_stops_on_every_eos_id_the_model_lists(target, zoo_files):
+    """Llama-3.1 lists three eos ids, Kimi lists <|im_end|> (its tokenizer's eos is [EOS]): the
+    loopback model server stops on each, as vLLM does, not only on the tokenizer's eos."""
+    from transformers import GenerationConfig
+
+    from pipeline.servers.model import reply_stop_ids
+
+    folder = zoo_files(target)
+    tokenizer = _own_tokenizer(folder, target)
+    listed = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+    stops = reply_stop_ids(GenerationConfig.from_pretrained(str(folder)), tokenizer)
+    assert set(listed if isinstance(listed, list) else [listed]) | {tokenizer.eos_token_id} == set(stops)

@@ -40,6 +40,16 @@ class _Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
+def reply_stop_ids(generation_config: Any, tokenizer: Any) -> list[int]:
+    """Every id that ends a reply, as vLLM stops: generation_config's eos ids (Llama-3.1 lists
+    three; Kimi lists <|im_end|> while its tokenizer's eos is [EOS]) and the tokenizer's eos."""
+    listed = getattr(generation_config, "eos_token_id", None)
+    stops = set(listed if isinstance(listed, list) else [] if listed is None else [listed])
+    if tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+    return sorted(stops)
+
+
 class ModelServer:
     def __init__(self, model_dir: str, *, max_batch: int = 16, threads: int | None = None, name: str | None = None):
         import torch
@@ -171,7 +181,7 @@ class ModelServer:
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        eos = self.tokenizer.eos_token_id
+        stops = reply_stop_ids(self.model.generation_config, self.tokenizer)
         width = max(len(j.input_ids) for j in batch)
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
         attention = torch.zeros((len(batch), width), dtype=torch.long)
@@ -194,7 +204,7 @@ class ModelServer:
                 attention_mask=attention.to(self.device),
                 max_new_tokens=max(j.max_tokens for j in batch),
                 pad_token_id=pad,
-                eos_token_id=eos,
+                eos_token_id=stops,
                 stopping_criteria=StoppingCriteriaList([_AllGone()]),
                 **kwargs,
             )
@@ -203,8 +213,8 @@ class ModelServer:
         for job, tokens in zip(batch, generated):
             tokens = tokens[: job.max_tokens]
             finish = "length"
-            if eos in tokens:
-                tokens = tokens[: tokens.index(eos)]
+            if ends := [i for i, token in enumerate(tokens) if token in stops]:
+                tokens = tokens[: ends[0]]
                 finish = "stop"
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             results.append((text, len(tokens), finish))
