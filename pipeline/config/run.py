@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .request_fields import REQUEST_FIELDS
 from .schema import Check, Table, at_least, finite_at_least, matches, one_of, parse_table, setting, within
 
 __all__ = [
@@ -68,33 +69,6 @@ class EndpointConfig:
         return os.environ.get(self.api_key_env) or None
 
 
-# Request fields eagleops sets itself, or that would break how it reads a reply (one choice, whole).
-_FIELDS_WE_SET = {
-    "model": "the endpoint's `model` names it",
-    "messages": "they come from the dataset",
-    "max_tokens": "use sampling.max_tokens",
-    "max_completion_tokens": "use sampling.max_tokens",
-    "temperature": "use sampling.temperature",
-    "top_p": "use sampling.top_p",
-    "stream": "replies are read whole",
-    "n": "one reply per request is recorded",
-}
-_TABLE_FIELDS = ("chat_template_kwargs", "reasoning")  # merged with what a thinking mode asks for
-
-
-class _RequestFields(Check):
-    """``[sampling] extra``: any field a server takes, but none that breaks the protocol."""
-
-    def problem(self, value: Any) -> str | None:
-        for key, why in _FIELDS_WE_SET.items():
-            if key in value:
-                return f"`{key}` is not an extra field ({why}); remove it"
-        for key in _TABLE_FIELDS:
-            if key in value and not isinstance(value[key], dict):
-                return f"`{key}` must be a table (e.g. {key} = {{ enable_thinking = false }}), got {value[key]!r}"
-        return None
-
-
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target samples each reply."""
@@ -102,9 +76,7 @@ class SamplingConfig:
     max_tokens: int = setting(2048, "completion tokens per request at most", check=at_least(1))
     temperature: float = setting(0.7, "sampling temperature", check=finite_at_least(0))
     top_p: float = setting(1.0, "nucleus sampling", check=within(0, 1, include_low=False))
-    extra: dict[str, Any] = setting(
-        {}, "more request fields, sent as given (e.g. `top_k`)", check=_RequestFields(lambda v: True, "fields that keep the protocol")
-    )
+    extra: dict[str, Any] = setting({}, "more request fields, sent as given (e.g. `top_k`)", check=REQUEST_FIELDS)
     thinking_off_kwargs: dict[str, Any] | None = setting(None, "`chat_template_kwargs` turning thinking off; default: the target's own")
 
 

@@ -91,11 +91,6 @@ class Engine:
         stages: tuple[str, ...] | None = None,
     ):
         self.stages = tuple(stages) if stages is not None else config.stage_names
-        if "generate" in self.stages:
-            # thinking off in the words the target's own template reads (Kimi `thinking`, Qwen3 `enable_thinking`)
-            from pipeline.training.modeling.thinking_switch import with_target_thinking_switch
-
-            config = with_target_thinking_switch(config)
         self.config = config
         self.telemetry_interval_s = telemetry_interval_s
         self.gpu_reader = gpu_reader or gpu_reader_from_env()
@@ -187,6 +182,11 @@ class Engine:
         self._lock_output()
         if "generate" not in self.stages:
             return
+        # thinking off in the words the target's own template reads (Kimi `thinking`, Qwen3
+        # `enable_thinking`); learning them loads its tokenizer, so off the event loop
+        from pipeline.training.modeling.thinking_switch import with_target_thinking_switch
+
+        self.config = self.generate.config = await asyncio.to_thread(with_target_thinking_switch, self.config)
         try:
             await self.generate.open()
         except StoreError as exc:
