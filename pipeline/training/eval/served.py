@@ -19,7 +19,7 @@ from pipeline.servers.supervisor import SupervisedServer
 from pipeline.servers.vllm import complete_ids, launch_for, read_metrics, vllm_server
 from pipeline.training.artifacts import EvalResult
 from pipeline.training.context import StageContext, serving
-from pipeline.training.eval.acceptance import acceptance_from_counts
+from pipeline.training.eval.acceptance import Acceptance, acceptance_from_counts
 
 __all__ = ["evaluate_served", "evaluate_sglang"]
 
@@ -61,18 +61,7 @@ def evaluate_served(config: RunConfig, ctx: StageContext, prompts: list[list[int
     # vLLM counts drafts (verify steps), accepted tokens, and the drafts whose j-th token was accepted
     accepted_at = [deltas.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{j}]", 0.0) for j in range(k)]
     acceptance = acceptance_from_counts(deltas.get(_DRAFTS, 0.0), deltas.get(_ACCEPTED, 0.0), accepted_at)
-    return EvalResult(
-        drafter=str(export_dir),
-        prompts=len(prompts),
-        verify_steps=acceptance.verify_steps,
-        draft_tokens=k,
-        acceptance_length=acceptance.length,
-        acceptance_rate_per_position=acceptance.rate_per_position,
-        greedy_mismatches=sum(a != b for a, b in zip(speculative, plain)),
-        backend="vllm",
-        tok_per_s=round(spec_tps, 2),
-        tok_per_s_without_drafter=round(plain_tps, 2),
-    )
+    return _served_result("vllm", export_dir, k, acceptance, len(prompts), (speculative, plain), (spec_tps, plain_tps))
 
 
 def _sglang_decode(
@@ -116,15 +105,32 @@ def evaluate_sglang(config: RunConfig, ctx: StageContext, prompts: list[list[int
     speculative, generated, steps, spec_tps = _sglang_decode(config, ctx, prompts, export_dir)
     plain, _, _, plain_tps = _sglang_decode(config, ctx, prompts, None)
     acceptance = acceptance_from_counts(steps, generated - steps)  # each step gains its accepted drafts + 1
+    return _served_result(
+        "sglang", export_dir, config.eval.draft_tokens, acceptance, len(prompts), (speculative, plain), (spec_tps, plain_tps)
+    )
+
+
+def _served_result(
+    backend: str,
+    export_dir: Path,
+    draft_tokens: int,
+    acceptance: Acceptance,
+    prompts: int,
+    outputs: tuple[list, list],
+    rates: tuple[float, float],
+) -> EvalResult:
+    """An engine's eval: the same prompts decoded with the drafter and without (``outputs``,
+    ``rates`` in tokens/s); greedy decoding must give the same tokens either way."""
+    speculative, plain = outputs
     return EvalResult(
         drafter=str(export_dir),
-        prompts=len(prompts),
+        prompts=prompts,
         verify_steps=acceptance.verify_steps,
-        draft_tokens=config.eval.draft_tokens,
+        draft_tokens=draft_tokens,
         acceptance_length=acceptance.length,
         acceptance_rate_per_position=acceptance.rate_per_position,
         greedy_mismatches=sum(a != b for a, b in zip(speculative, plain)),
-        backend="sglang",
-        tok_per_s=round(spec_tps, 2),
-        tok_per_s_without_drafter=round(plain_tps, 2),
+        backend=backend,
+        tok_per_s=round(rates[0], 2),
+        tok_per_s_without_drafter=round(rates[1], 2),
     )
