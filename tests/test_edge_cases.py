@@ -3,6 +3,7 @@ never a raw exception (issue 19)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -214,3 +215,23 @@ def test_regenerate_all_holds_the_budget_bound_across_kill_9(tmp_path, fault_ser
     written = sum(r["completion_tokens"] for r in records)
     assert 900 <= written <= 900 + 8 * 64
     assert len({r["id"] for r in records}) == len(records)
+
+
+async def test_closing_the_socket_under_an_attached_console_reports_no_error(tmp_path):
+    """An engine that ends while a console streams its events: the connection just ends."""
+    from pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
+
+    config = make_config(tmp_path, "http://127.0.0.1:9/v1", [{"name": "A", "path": str(tmp_path / "a.jsonl"), "token_budget": 1}])
+    engine = Engine(config, stages=())
+    reported: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
+    server = ControlServer(engine, socket_path_for(config.name, tmp_path))
+    await server.start()
+    client = ControlClient(server.path)
+    stream = client.events()
+    await anext(stream)  # streaming: the server's handler waits on the bus
+    await server.close()
+    await client.close()
+    for _ in range(5):
+        await asyncio.sleep(0.01)
+    assert reported == []

@@ -204,6 +204,10 @@ class ControlServer:
                 await _send(writer, ack.to_json())
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:
+            # our own close() ending a connection: Python 3.11's server callback would report a
+            # cancelled handler as an error ("Exception in callback ... CancelledError")
+            pass
         finally:
             if task is not None:
                 self._streams.discard(task)
