@@ -235,3 +235,33 @@ async def test_closing_the_socket_under_an_attached_console_reports_no_error(tmp
     for _ in range(5):
         await asyncio.sleep(0.01)
     assert reported == []
+
+
+async def test_an_attached_console_hears_why_the_run_exits_as_it_does(tmp_path, fault_server):
+    """The engine's last words (here: why it exits with code 3) reach a console over the socket,
+    though the socket closes as soon as the engine has ended."""
+    from pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
+    from pipeline.protocol.events import LogEvent
+
+    source = write_jsonl(tmp_path / "bad.jsonl", [{"id": f"b{i}", "prompt": f"y {i} [[fault:400]]"} for i in range(3)])
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "BAD", "path": str(source), "token_budget": "5k"}])
+    engine = Engine(config)
+    await engine.open()
+    server = ControlServer(engine, socket_path_for(config.name, config.output_dir))
+    await server.start()
+    client = ControlClient(server.path)
+    stream = client.events()
+    await anext(stream)
+    heard: list[str] = []
+
+    async def listen() -> None:
+        async for event in stream:
+            if isinstance(event, LogEvent):
+                heard.append(event.message)
+
+    listener = asyncio.create_task(listen())
+    await engine.run()
+    await server.close()  # as `eagleops run --no-tui` does, right after the run
+    await asyncio.wait_for(listener, 10)
+    await client.close()
+    assert any("BAD: nothing written" in line and "exits with code 3" in line for line in heard)

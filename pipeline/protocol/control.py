@@ -34,6 +34,7 @@ __all__ = [
     "socket_path_for",
 ]
 
+_DRAIN_S = 1.0  # at most, for attached consoles to read what the engine said last
 _LIMIT = 1 << 20  # one request line; a longer one is answered with an error and the connection closed
 _BACKLOG = 4096  # connections waiting to be accepted (the kernel caps it at net.core.somaxconn)
 
@@ -160,6 +161,8 @@ class ControlServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            if self._streams:  # an ended engine's last events (why it exits as it does) reach its consoles
+                await asyncio.wait(list(self._streams), timeout=_DRAIN_S)
             for task in list(self._streams):
                 task.cancel()
             with contextlib.suppress(Exception):
