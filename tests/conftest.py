@@ -193,3 +193,31 @@ def zoo_model(tmp_path_factory):
         return built[target]
 
     return model
+
+
+def trained_spans(tokenizer, ids, mask) -> list[str]:
+    """The decoded runs of ids the loss mask trains."""
+    spans, current = [], []
+    for token, m in zip(ids, mask):
+        if m:
+            current.append(token)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    if current:
+        spans.append(tokenizer.decode(current))
+    return spans
+
+
+def builder_for(tokenizer, model_dir: Path | None = None, switches: dict | None = None):
+    """prepare's SampleBuilder for a tokenizer: each thinking mode with the template's own switch
+    (or ``switches``: mode -> chat_template_kwargs), stopping where a server would."""
+    from pipeline.training.modeling.thinking_switch import learn_thinking_switch
+    from pipeline.training.modeling.turns import reply_stop_ids, turn_ends
+    from pipeline.training.prepare.samples import SampleBuilder
+
+    switch = learn_thinking_switch(tokenizer)
+    kwargs = {mode: (switch.kwargs(mode) if switch else {}) for mode in ("keep", "drop", "off")}
+    kwargs.update(switches or {})
+    stops = reply_stop_ids(tokenizer, model_dir) if model_dir else {*turn_ends(tokenizer), tokenizer.eos_token_id}
+    return SampleBuilder.learn(tokenizer, kwargs, stops)

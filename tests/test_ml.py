@@ -18,10 +18,9 @@ import torch
 from pipeline.engine import Engine
 from pipeline.protocol.events import StageStatus
 from pipeline.training.context import StageContext, StageKilled
-from pipeline.training.prepare.chat_template import tokenize_conversation
 from pipeline.training.prepare.vocab import build_draft_vocab
 
-from .conftest import KillAt
+from .conftest import KillAt, builder_for
 from .conftest import ml_config as _config
 from .conftest import run_stage as _stage
 
@@ -40,8 +39,9 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tiny_model):
         {"role": "user", "content": "and the drafter?"},
         {"role": "assistant", "content": "it guesses ahead"},
     ]
-    ids, mask, length = tokenize_conversation(tok, messages, 4096)
-    assert length == len(ids) == len(mask)
+    [sample] = builder_for(tok, tiny_model).build(messages, None, "keep")
+    ids, mask = sample.ids, sample.mask
+    assert len(ids) == len(mask)
     spans, current = [], []
     for token, m in zip(ids, mask):
         if m:
@@ -54,8 +54,6 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tiny_model):
     assert [tok.decode(s) for s in spans] == ["the cache keeps tokens<|eot_id|>", "it guesses ahead<|eot_id|>"]
     unmasked = tok.decode([t for t, m in zip(ids, mask) if not m])
     assert "explain the cache" in unmasked and "be brief" in unmasked and "guesses" not in unmasked
-    ids_cut, mask_cut, _ = tokenize_conversation(tok, messages, 10)
-    assert ids_cut == ids[:10] and mask_cut == mask[:10]
 
 
 def test_draft_vocab_mapping():
@@ -108,7 +106,7 @@ def test_bad_generated_line_names_file_and_line(workdir, tiny_model):
         f.write('{"id": "x", "conversations": [{"role": "user", "content": "hi"}]}\n')
     from pipeline.training.prepare.chat_template import PrepareError
 
-    with pytest.raises(PrepareError, match=r"B2/data.jsonl:\d+: conversations: conversations must end with an assistant turn"):
+    with pytest.raises(PrepareError, match=r"B2/data.jsonl:\d+: conversations: must end with an assistant turn"):
         _stage(config, "prepare")
 
 

@@ -237,22 +237,20 @@ def test_the_turn_end_is_learned_from_the_chat_template(target, zoo_files):
 
 
 @pytest.mark.parametrize("target", ["kimi-k2.5", "qwen3-8b"])
-def test_the_generated_ids_replace_a_reply_ending_with_the_turn_end_not_the_eos(target, zoo_files):
-    """Kimi ends a turn with <|im_end|> while its eos is [EOS]; Qwen3 renders a newline after
-    <|im_end|>: the server's ids are spliced in all the same, its turn end trained, the
-    template's text after it not."""
-    from pipeline.training.prepare.chat_template import tokenize_samples, with_exact_reply
+def test_the_generated_ids_are_trained_up_to_the_turn_end_not_the_eos(target, zoo_files):
+    """Kimi ends a turn with <|im_end|> while its eos is [EOS]; Qwen3's template writes a newline
+    after <|im_end|>: the server's ids are the reply, its turn end trained, nothing after it."""
+    from tests.conftest import builder_for
 
-    tokenizer = _own_tokenizer(zoo_files(target), target)
+    folder = zoo_files(target)
+    tokenizer = _own_tokenizer(folder, target)
     end = tokenizer.convert_tokens_to_ids(TURN_ENDS[target])
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cache keeps tokens"}]
-    rendered = tokenize_samples(tokenizer, messages, 4096)[0]
-    before = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True)
+    before = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True, **({"enable_thinking": False} if target == "qwen3-8b" else {"thinking": False}))
     before = list(before["input_ids"] if hasattr(before, "keys") else before)
     reply = [tok for ch in "the cache keeps tokens" for tok in tokenizer.encode(ch, add_special_tokens=False)]
-    ids, mask, _ = with_exact_reply(tokenizer, messages, rendered, [*reply, end], 4096)
-    assert ids[: len(before)] == before and ids[len(before) : len(before) + len(reply) + 1] == [*reply, end]
-    assert mask[len(before) :] == [1] * (len(reply) + 1) + [0] * (len(ids) - len(before) - len(reply) - 1)
+    [sample] = builder_for(tokenizer, folder).build(messages, None, "off", exact=[*reply, end])
+    assert sample.ids == [*before, *reply, end] and sample.mask == [0] * len(before) + [1] * (len(reply) + 1)
 
 
 def test_eval_stops_a_kimi_reply_at_its_turn_end(tmp_path, zoo_model, monkeypatch):

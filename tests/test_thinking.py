@@ -3,6 +3,7 @@ used, turned off the way each server understands, counted in the budget and show
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from pipeline.generate.replies import parse_reply, request_fields
 from pipeline.protocol.events import StopReason
 from pipeline.protocol.report import status_line
 
-from .conftest import make_config, read_jsonl, write_jsonl
+from .conftest import builder_for, make_config, read_jsonl, trained_spans, write_jsonl
 
 THOUGHT = "first I weigh the cases then I check the sum"
 
@@ -86,19 +87,6 @@ async def test_thinking_off_is_requested_and_nothing_is_stored(tmp_path, fault_s
         assert "reasoning_content" not in record["conversations"][-1] and record["thinking"] == "off" and record["reasoning_tokens"] == 0
 
 
-def _spans(tok, ids, mask) -> list[str]:
-    spans, current = [], []
-    for token, m in zip(ids, mask):
-        if m:
-            current.append(token)
-        elif current:
-            spans.append(tok.decode(current))
-            current = []
-    if current:
-        spans.append(tok.decode(current))
-    return spans
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     from transformers import AutoTokenizer
@@ -106,88 +94,93 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(str(tiny_model))
 
 
-@pytest.mark.slow
-def test_kept_thinking_is_rendered_by_the_template_and_trained_on(tokenizer):
-    from pipeline.training.prepare.chat_template import tokenize_samples
-
-    messages = [{"role": "user", "content": "add two and two"}, {"role": "assistant", "content": "four", "reasoning_content": THOUGHT}]
-    [(ids, mask, _)] = tokenize_samples(tokenizer, messages, 4096)
-    assert _spans(tokenizer, ids, mask) == [f"<think>\n{THOUGHT}\n</think>\n\nfour<|eot_id|>"]
+@pytest.fixture(scope="module")
+def builder(tokenizer, tiny_model):
+    return builder_for(tokenizer, tiny_model)
 
 
-@pytest.mark.slow
-def test_dropped_thinking_is_not_trained_on(tokenizer):
-    from pipeline.training.prepare.chat_template import tokenize_samples
-    from pipeline.training.prepare.inputs import _turn
+def _with_template(builder, template: str):
+    """A builder for the same tokenizer under another chat template."""
+    tokenizer = copy.deepcopy(builder.tokenizer)
+    tokenizer.chat_template = template
+    return builder_for(tokenizer)
 
-    reply = {"role": "assistant", "content": "four", "reasoning_content": THOUGHT}
-    messages = [{"role": "user", "content": "add two and two"}, _turn(reply, keep_thinking=False)]
-    [(ids, mask, _)] = tokenize_samples(tokenizer, messages, 4096)
-    assert _spans(tokenizer, ids, mask) == ["four<|eot_id|>"]
+
+ANSWER = [{"role": "user", "content": "add two and two"}, {"role": "assistant", "content": "four", "reasoning_content": THOUGHT}]
 
 
 @pytest.mark.slow
-def test_a_template_that_drops_earlier_thinking_gives_that_turn_a_sample_of_its_own(tokenizer):
-    from pipeline.training.prepare.chat_template import tokenize_samples
+def test_kept_thinking_is_trained_as_the_target_wrote_it(builder, tokenizer):
+    [sample] = builder.build(ANSWER, None, "keep")
+    assert trained_spans(tokenizer, sample.ids, sample.mask) == [f"<think>\n{THOUGHT}\n</think>\n\nfour<|eot_id|>"]
 
+
+@pytest.mark.slow
+def test_dropped_thinking_stays_as_context_and_is_not_trained_on(builder, tokenizer):
+    [sample] = builder.build(ANSWER, None, "drop")
+    assert trained_spans(tokenizer, sample.ids, sample.mask) == ["four<|eot_id|>"]
+    assert THOUGHT in tokenizer.decode(sample.ids)  # the answer was written after it
+
+
+@pytest.mark.slow
+def test_each_reply_is_the_sequence_the_target_processed(builder, tokenizer):
+    """The template drops earlier thinking from the history (as Qwen3's does): each reply is a
+    sample of its own, its prompt the history the server rendered when the target wrote it."""
     messages = [
         {"role": "user", "content": "add two and two"},
         {"role": "assistant", "content": "four", "reasoning_content": "two plus two"},
         {"role": "user", "content": "and three more"},
         {"role": "assistant", "content": "seven", "reasoning_content": "four and three"},
     ]
-    (full, full_mask, _), (own, own_mask, _) = tokenize_samples(tokenizer, messages, 4096)
-    assert _spans(tokenizer, full, full_mask) == ["<think>\nfour and three\n</think>\n\nseven<|eot_id|>"]
-    assert "two plus two" not in tokenizer.decode(full)  # the history as the template renders it
-    assert _spans(tokenizer, own, own_mask) == ["<think>\ntwo plus two\n</think>\n\nfour<|eot_id|>"]
+    first, second = builder.build(messages, None, "keep")
+    assert trained_spans(tokenizer, first.ids, first.mask) == ["<think>\ntwo plus two\n</think>\n\nfour<|eot_id|>"]
+    assert trained_spans(tokenizer, second.ids, second.mask) == ["<think>\nfour and three\n</think>\n\nseven<|eot_id|>"]
+    assert "two plus two" not in tokenizer.decode(second.ids)  # the history as the server rendered it
+
+
+VERBATIM = (  # renders content as given: nothing says how the target writes its thinking
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 
 
 @pytest.mark.slow
-def test_a_template_that_keeps_thinking_in_the_content_gets_it_inline(tokenizer):
-    from pipeline.training.prepare.chat_template import tokenize_samples
+def test_kept_thinking_a_template_cannot_show_is_refused_unless_the_servers_ids_say_how(builder, tokenizer):
+    from pipeline.training.prepare.chat_template import PrepareError
 
-    inline = (  # no reasoning field: thinking travels inside the content, as <think> blocks
-        "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-        "{{ message['content'] }}<|eot_id|>{% endfor %}"
-        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-    )
-    messages = [{"role": "user", "content": "add two and two"}, {"role": "assistant", "content": "four", "reasoning_content": THOUGHT}]
-    original, tokenizer.chat_template = tokenizer.chat_template, inline
-    try:
-        [(ids, mask, _)] = tokenize_samples(tokenizer, messages, 4096)
-    finally:
-        tokenizer.chat_template = original
-    assert _spans(tokenizer, ids, mask) == [f"<think>\n{THOUGHT}\n</think>\n\nfour<|eot_id|>"]
+    verbatim = _with_template(builder, VERBATIM)
+    with pytest.raises(PrepareError, match="shows no thinking.*thinking = \"drop\""):
+        verbatim.build(ANSWER, None, "keep")
+    emitted = tokenizer.encode(f"<think>{THOUGHT}</think>four", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|eot_id|>")]
+    [sample] = verbatim.build(ANSWER, None, "keep", exact=emitted)
+    assert sample.ids[-len(emitted) :] == emitted and trained_spans(tokenizer, sample.ids, sample.mask) == [tokenizer.decode(emitted)]
+    [dropped] = verbatim.build(ANSWER, None, "drop")  # not trained, and no place for it: left out
+    assert trained_spans(tokenizer, dropped.ids, dropped.mask) == ["four<|eot_id|>"] and THOUGHT not in tokenizer.decode(dropped.ids)
 
 
 @pytest.mark.slow
-def test_a_template_that_cannot_render_thinking_is_refused(tokenizer):
-    from pipeline.training.prepare.chat_template import PrepareError, tokenize_samples
-
-    plain = (  # strips thinking wherever it is, as DeepSeek-R1's template does
+def test_the_template_that_cuts_thinking_at_its_close_tells_the_format(builder, tokenizer):
+    """A template that renders no thinking but cuts it off at </think> (DeepSeek-R1 and V3.1
+    do) says the target closes its thinking with that tag."""
+    cutting = (
         "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
         "{{ message['content'].split('</think>')[-1] }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
     )
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "reasoning_content": THOUGHT}]
-    original, tokenizer.chat_template = tokenizer.chat_template, plain
-    try:
-        tokenize_samples(tokenizer, messages, 4096)
-    except PrepareError as exc:
-        assert "renders no thinking" in str(exc)
-    else:
-        raise AssertionError("a template that ignores reasoning_content was accepted")
-    finally:
-        tokenizer.chat_template = original
+    [sample] = _with_template(builder, cutting).build(ANSWER, None, "keep")
+    assert trained_spans(tokenizer, sample.ids, sample.mask) == [f"<think>{THOUGHT}</think>four<|eot_id|>"]
 
 
 @pytest.mark.slow
-def test_replies_that_re_tokenise_differently_are_counted(tokenizer):
-    from pipeline.training.prepare.chat_template import exact_mismatch
-
+def test_replies_whose_server_ids_differ_from_the_rebuilt_ones_are_counted(tokenizer, tiny_model):
+    builder = builder_for(tokenizer, tiny_model)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cache keeps tokens"}]
-    generated = tokenizer.encode("the cache keeps tokens", add_special_tokens=False) + [tokenizer.eos_token_id]
-    assert not exact_mismatch(tokenizer, messages, generated)
-    assert exact_mismatch(tokenizer, messages, [tokenizer.encode("x", add_special_tokens=False)[0], *generated])
+    same = tokenizer.encode("the cache keeps tokens", add_special_tokens=False) + [tokenizer.eos_token_id]
+    builder.build(messages, None, "keep", exact=same)
+    assert builder.exact_mismatches == 0
+    builder.build(messages, None, "keep", exact=[tokenizer.encode("x", add_special_tokens=False)[0], *same])
+    assert builder.exact_mismatches == 1
 
 
 def _exchanges(n: int, tag: str = "") -> dict:
@@ -241,31 +234,24 @@ async def test_tool_calls_pass_through_and_only_the_targets_replies_are_marked(t
 
 
 @pytest.mark.slow
-def test_prepare_trains_only_on_the_turns_the_target_wrote(tokenizer):
-    from pipeline.training.prepare.chat_template import tokenize_samples
-
+def test_prepare_trains_only_on_the_turns_the_target_wrote(builder, tokenizer):
     messages = [
         {"role": "user", "content": "add two and two"},
         {"role": "assistant", "content": "ANOTHER MODEL"},  # kept as history by regenerate = last
         {"role": "user", "content": "and three more"},
         {"role": "assistant", "content": "seven"},
     ]
-    [(ids, mask, _)] = tokenize_samples(tokenizer, messages, 4096, trained=[3])
-    assert _spans(tokenizer, ids, mask) == ["seven<|eot_id|>"]
+    [sample] = builder.build(messages, [3], "keep")
+    assert trained_spans(tokenizer, sample.ids, sample.mask) == ["seven<|eot_id|>"]
 
 
 @pytest.mark.slow
-def test_the_generated_ids_replace_a_reply_that_re_tokenises_differently(tokenizer):
-    from pipeline.training.prepare.chat_template import tokenize_samples, with_exact_reply
-
+def test_the_servers_ids_are_trained_where_they_tokenise_differently(builder, tokenizer):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cache keeps tokens"}]
-    rendered = tokenize_samples(tokenizer, messages, 4096)[0]
-    # the same text, split into other tokens than the template's re-tokenisation would give
-    generated = [tok for piece in ("the", " cache", " keeps", " tokens") for tok in tokenizer.encode(piece, add_special_tokens=False)]
-    generated = [*sum((tokenizer.encode(ch, add_special_tokens=False) for ch in "the cache"), []), *generated[2:], tokenizer.eos_token_id]
-    ids, mask, _ = with_exact_reply(tokenizer, messages, rendered, generated, 4096)
-    assert ids[-len(generated) :] == generated and mask[-len(generated) :] == [1] * len(generated)
-    assert tokenizer.decode(ids) == tokenizer.decode(rendered[0])  # the same text, the generated tokens
+    # the same text, split into other tokens than a re-tokenisation would give
+    generated = [tok for ch in "the cache keeps tokens" for tok in tokenizer.encode(ch, add_special_tokens=False)]
+    [sample] = builder.build(messages, None, "keep", exact=[*generated, tokenizer.eos_token_id])
+    assert sample.ids[-len(generated) - 1 : -1] == generated and sample.mask[-len(generated) - 1 :] == [1] * (len(generated) + 1)
 
 
 def _long_conversations(count: int, turns: int, tokens: int) -> list[dict]:

@@ -182,8 +182,9 @@ class Engine:
         self._lock_output()
         if "generate" not in self.stages:
             return
-        # thinking off in the words the target's own template reads (Kimi `thinking`, Qwen3
-        # `enable_thinking`); learning them loads its tokenizer, so off the event loop
+        # thinking on and off in the words the target's own template reads (Kimi `thinking`,
+        # Qwen3 `enable_thinking`, gpt-oss `reasoning_effort`); learning them loads its
+        # tokenizer, so off the event loop
         from pipeline.training.modeling.thinking_switch import with_target_thinking_switch
 
         self.config = self.generate.config = await asyncio.to_thread(with_target_thinking_switch, self.config)

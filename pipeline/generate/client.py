@@ -162,6 +162,7 @@ class ChatClient:
                 base_url=ep.base_url,
                 thinking=thinking,
                 template_switch=self.sampling.thinking_off_kwargs,
+                template_on=self.sampling.thinking_on_kwargs,
             ),
         }
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MalformedReply", "Reply", "parse_reply", "request_fields", "thinking_off_fields"]
+from pipeline.formats.thinking import split_thinking
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+__all__ = ["MalformedReply", "Reply", "parse_reply", "request_fields", "thinking_off_fields"]
 
 
 class MalformedReply(ValueError):
@@ -36,22 +36,47 @@ class Reply:
     cost: float | None
 
 
+def _routed(kind: str, base_url: str) -> bool:
+    return kind == "openrouter" or (kind == "auto" and "openrouter.ai" in base_url)
+
+
 def thinking_off_fields(kind: str, base_url: str, template_switch: dict[str, Any] | None = None) -> dict[str, Any]:
     """``template_switch``: the kwargs the target's own chat template reads (Kimi-K2.5 and
-    DeepSeek-V3.1 ``thinking``, Qwen3 ``enable_thinking``); Qwen3's where none is known."""
-    if kind == "openrouter" or (kind == "auto" and "openrouter.ai" in base_url):
+    DeepSeek-V3.1 ``thinking``, Qwen3 ``enable_thinking``, gpt-oss ``reasoning_effort``); Qwen3's
+    where none is known."""
+    if _routed(kind, base_url):
         return {"reasoning": {"enabled": False}}
-    return {"chat_template_kwargs": dict(template_switch) if template_switch else {"enable_thinking": False}}
+    return _template_fields(template_switch or {"enable_thinking": False})
+
+
+def _template_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The template's switch as ``chat_template_kwargs``; a reasoning effort also as the OpenAI
+    field of that name, which is what vLLM's and SGLang's harmony paths (gpt-oss) read."""
+    fields: dict[str, Any] = {"chat_template_kwargs": dict(kwargs)}
+    if "reasoning_effort" in kwargs:
+        fields["reasoning_effort"] = kwargs["reasoning_effort"]
+    return fields
 
 
 def request_fields(
-    extra: dict[str, Any], *, kind: str, base_url: str, thinking: str, template_switch: dict[str, Any] | None = None
+    extra: dict[str, Any],
+    *,
+    kind: str,
+    base_url: str,
+    thinking: str,
+    template_switch: dict[str, Any] | None = None,
+    template_on: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The run file's extra fields, plus what the thinking mode and the server kind ask for."""
+    """The run file's extra fields, plus what the thinking mode and the server kind ask for:
+    ``template_switch`` turns thinking off, ``template_on`` on (DeepSeek-V3.1 thinks only when
+    asked), each in the words of the target's own template."""
     fields = dict(extra)
     if thinking == "off":
-        for key, value in thinking_off_fields(kind, base_url, template_switch).items():
-            fields[key] = {**(fields.get(key) or {}), **value}
+        wanted = thinking_off_fields(kind, base_url, template_switch)
+    else:
+        wanted = _template_fields(template_on) if template_on and not _routed(kind, base_url) else {}
+    for key, value in wanted.items():
+        fields[key] = {**(fields.get(key) or {}), **value} if isinstance(value, dict) else fields.get(key, value)
     if kind == "vllm":
         fields.setdefault("return_token_ids", True)  # the exact tokens, for prepare
     return fields
@@ -59,14 +84,6 @@ def request_fields(
 
 def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def _split_inline(text: str) -> tuple[str, str | None]:
-    stripped = text.lstrip()
-    if stripped.startswith(THINK_OPEN) and THINK_CLOSE in stripped:
-        thought, _, answer = stripped[len(THINK_OPEN) :].partition(THINK_CLOSE)
-        return answer.lstrip("\n"), thought.strip()
-    return text, None
 
 
 def _utf8(text: str, field: str) -> str:
@@ -103,10 +120,8 @@ def parse_reply(raw: bytes) -> Reply:
         raise MalformedReply(f"malformed response ({type(exc).__name__}: {str(exc)[:80]})") from None
     text = _utf8(text, "content")
     reasoning = message.get("reasoning") or message.get("reasoning_content")
-    if isinstance(reasoning, str) and reasoning.strip():
-        reasoning = _utf8(reasoning, "reasoning").strip()  # the template puts its own newlines around it
-    else:
-        text, reasoning = _split_inline(text)
+    reasoning = _utf8(reasoning, "reasoning") if isinstance(reasoning, str) else None
+    text, reasoning = split_thinking(text, reasoning)  # thinking the parser missed is thinking too
     usage = _table(payload, "usage")
     details = usage.get("completion_tokens_details") or {}
     ids = choice.get("token_ids")

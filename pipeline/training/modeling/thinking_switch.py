@@ -1,20 +1,41 @@
-"""The chat-template switch that turns the target's thinking off, learned from its template.
+"""The chat-template switch that turns the target's thinking on or off, learned from its template.
 
-Templates name it differently: Qwen3 reads ``enable_thinking``, Kimi-K2.5 and DeepSeek-V3.1 read
-``thinking``. Sending the wrong one is silently ignored and the target thinks anyway, so each
-candidate is tried: the one whose false and true values render different generation prompts is
-the switch this template reads."""
+Templates name it differently: Qwen3 reads ``enable_thinking`` (thinks unless told not to),
+Kimi-K2.5 reads ``thinking`` (the same), DeepSeek-V3.1 reads ``thinking`` but does **not** think
+unless told to, gpt-oss cannot stop thinking and takes a ``reasoning_effort`` instead. Sending
+the wrong name is silently ignored, so each candidate is tried: the one whose two values render
+different generation prompts is the switch this template reads. Generate sends it (off for
+``thinking = "off"``, on for ``keep`` and ``drop``) and prepare renders each prompt with the same
+values, so a sample's prompt is the one the server rendered."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeline.config import RunConfig
 
-__all__ = ["CANDIDATE_SWITCHES", "thinking_off_kwargs", "with_target_thinking_switch"]
+__all__ = ["CANDIDATE_SWITCHES", "ThinkingSwitch", "learn_thinking_switch", "template_kwargs", "thinking_off_kwargs", "with_target_thinking_switch"]
 
-CANDIDATE_SWITCHES = ("enable_thinking", "thinking")
+
+@dataclass(frozen=True)
+class ThinkingSwitch:
+    key: str
+    off: Any
+    on: Any  # None: a level with no "on"; the template's own default is left alone
+
+    def kwargs(self, thinking: str) -> dict[str, Any]:
+        if thinking == "off":
+            return {self.key: self.off}
+        return {} if self.on is None else {self.key: self.on}
+
+
+# (name, value for off, value for on, a second value that must change the prompt)
+CANDIDATE_SWITCHES = (
+    ("enable_thinking", False, True, True),
+    ("thinking", False, True, True),
+    ("reasoning_effort", "low", None, "high"),
+)
 
 _PROBE = [{"role": "user", "content": "a question"}]
 
@@ -23,27 +44,45 @@ def _prompt(tokenizer: Any, **kwargs: Any) -> str:
     return tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True, **kwargs)
 
 
-def thinking_off_kwargs(tokenizer: Any) -> dict[str, Any] | None:
-    """``chat_template_kwargs`` that turn thinking off in this template; None where no candidate
-    changes its generation prompt (a template without a switch, or one that takes a reasoning
-    effort, as gpt-oss's does)."""
-    for switch in CANDIDATE_SWITCHES:
-        if _prompt(tokenizer, **{switch: False}) != _prompt(tokenizer, **{switch: True}):
-            return {switch: False}
+def learn_thinking_switch(tokenizer: Any) -> ThinkingSwitch | None:
+    """The switch this template reads; None where it reads none (Llama, Kimi-K2-Thinking)."""
+    for key, off, on, other in CANDIDATE_SWITCHES:
+        if _prompt(tokenizer, **{key: off}) != _prompt(tokenizer, **{key: other}):
+            return ThinkingSwitch(key, off, on)
     return None
 
 
+def thinking_off_kwargs(tokenizer: Any) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` that turn thinking off in this template; None where it has no switch."""
+    switch = learn_thinking_switch(tokenizer)
+    return switch.kwargs("off") if switch else None
+
+
+def template_kwargs(config: RunConfig, tokenizer: Any, thinking: str) -> dict[str, Any]:
+    """The ``chat_template_kwargs`` generate sent for a dataset in this thinking mode: the run
+    file's where it names them, else the template's own switch."""
+    given = config.sampling.thinking_off_kwargs if thinking == "off" else config.sampling.thinking_on_kwargs
+    if given is not None:
+        return dict(given)
+    switch = learn_thinking_switch(tokenizer)
+    return switch.kwargs(thinking) if switch else {}
+
+
 def with_target_thinking_switch(config: RunConfig) -> RunConfig:
-    """The run with ``[sampling] thinking_off_kwargs`` learned from ``[target]``'s template where
-    a dataset turns thinking off and the run file does not say which switch to send. Learned
-    here, where the target is known, and handed to generate as plain data: generate stays free of
-    transformers."""
-    wanted = any(config.thinking_for(dataset) == "off" for dataset in config.datasets)
-    if not wanted or config.target is None or config.sampling.thinking_off_kwargs is not None:
+    """The run with ``[sampling] thinking_off_kwargs`` and ``thinking_on_kwargs`` learned from
+    ``[target]``'s template where the run file does not set them. Learned here, where the target
+    is known, and handed to generate as plain data: generate stays free of transformers."""
+    sampling = config.sampling
+    if config.target is None or (sampling.thinking_off_kwargs is not None and sampling.thinking_on_kwargs is not None):
         return config
     from pipeline.training.modeling.target import load_target_tokenizer
 
-    switch = thinking_off_kwargs(load_target_tokenizer(config.target))
+    switch = learn_thinking_switch(load_target_tokenizer(config.target))
     if switch is None:
         return config
-    return replace(config, sampling=replace(config.sampling, thinking_off_kwargs=switch))
+    learned = replace(
+        sampling,
+        thinking_off_kwargs=sampling.thinking_off_kwargs if sampling.thinking_off_kwargs is not None else switch.kwargs("off"),
+        thinking_on_kwargs=sampling.thinking_on_kwargs if sampling.thinking_on_kwargs is not None else switch.kwargs("keep"),
+    )
+    return replace(config, sampling=learned)

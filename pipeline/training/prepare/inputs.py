@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
+from pipeline.config.run import THINKING
 from pipeline.training.context import StageContext
 from pipeline.training.modeling.target import require_target
 from pipeline.training.prepare.chat_template import PrepareError
@@ -17,6 +18,7 @@ from pipeline.training.prepare.chat_template import PrepareError
 __all__ = ["Sample", "fingerprint", "read_conversations", "read_extra"]
 
 Sample = tuple[list[int], list[int]]  # (input_ids, loss_mask)
+SAMPLE_RULE = 2  # how samples are built (2: the sequence the target processed); a change re-prepares
 
 
 def _prompt_key(messages: list[dict[str, str]]) -> str:
@@ -24,11 +26,12 @@ def _prompt_key(messages: list[dict[str, str]]) -> str:
     return hashlib.blake2b(json.dumps(prompt, sort_keys=True, ensure_ascii=False).encode(), digest_size=12).hexdigest()
 
 
-def _turn(message: dict[str, Any], keep_thinking: bool) -> dict[str, Any]:
+_TEMPLATE_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning_content")  # what templates read besides role and content
+
+
+def _turn(message: dict[str, Any]) -> dict[str, Any]:
     turn = {"role": message["role"], "content": message["content"]}
-    turn.update({key: message[key] for key in ("tool_calls", "tool_call_id", "name") if key in message})  # for the template
-    if keep_thinking and message.get("reasoning_content"):
-        turn["reasoning_content"] = message["reasoning_content"]
+    turn.update({key: message[key] for key in _TEMPLATE_KEYS if key in message})
     return turn
 
 
@@ -46,11 +49,15 @@ def read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict[
                     record = json.loads(line)
                     messages = record["conversations"]
                     if not isinstance(messages, list) or not messages or messages[-1].get("role") != "assistant":
-                        raise ValueError("conversations must end with an assistant turn")
-                    keep_thinking = record.get("thinking", "keep") == "keep"
-                    messages = [_turn(m, keep_thinking) for m in messages]
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise PrepareError(f"{path}:{line_no}: conversations: {exc}") from None
+                        raise ValueError("conversations: must end with an assistant turn")
+                    messages = [_turn(m) for m in messages]
+                    thinking = record.get("thinking", "keep")
+                    if thinking not in THINKING:
+                        raise ValueError(f"thinking is {thinking!r}, not one of {', '.join(THINKING)}")
+                except KeyError as exc:
+                    raise PrepareError(f"{path}:{line_no}: field {exc} missing") from None
+                except (ValueError, TypeError, AttributeError) as exc:
+                    raise PrepareError(f"{path}:{line_no}: {exc}") from None
                 key = _prompt_key(messages)
                 if key in seen:
                     duplicates += 1
@@ -66,6 +73,8 @@ def read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict[
                         "messages": messages,
                         "exact": exact,
                         "trained": trained,
+                        "thinking": thinking,
+                        "finished": record.get("finish_reason") != "length",
                     }
                 )
     return rows, duplicates
@@ -98,5 +107,6 @@ def fingerprint(config: RunConfig) -> str:
         h.update(str(extra).encode())
         h.update(str(extra.stat().st_size if extra.exists() else -1).encode())
     tokenizer = require_target(config).tokenizer_path
-    h.update(json.dumps([str(tokenizer), config.prepare.__dict__], default=str, sort_keys=True).encode())
+    switches = [config.sampling.thinking_on_kwargs, config.sampling.thinking_off_kwargs]  # they shape each prompt
+    h.update(json.dumps([SAMPLE_RULE, str(tokenizer), config.prepare.__dict__, switches], default=str, sort_keys=True).encode())
     return h.hexdigest()

@@ -2,10 +2,10 @@
 
 * merge every dataset's ``data.jsonl`` (plus optional pre-tokenized sets), deduplicate by prompt,
   shuffle with a fixed seed, hold out a few prompts for ``eval``;
-* render each conversation with the **target's own chat template** and mark the assistant turns
-  in the loss mask. Spans come from the template itself: the tokens that rendering turn k adds
-  after the generation prompt of turns < k are that reply (its end-of-turn token included), so
-  training sees exactly what serving will, for any template that renders prefixes consistently;
+* turn each reply the target wrote into the sequence it processed: the **target's own chat
+  template** renders the prompt the server rendered, then the reply follows exactly as the
+  target emitted it (``samples.py``), the loss on what it emitted; the first samples of every
+  dataset are checked to train exactly that (``check.py``) before the rest is tokenized;
 * count the assistant tokens and keep the N most frequent as the draft vocabulary (``d2t``
   offsets and the ``t2d`` mask of EAGLE-3).
 
@@ -28,36 +28,59 @@ from pipeline.config import RunConfig
 from pipeline.training.artifacts import PreparedIndex, PreparedShard
 from pipeline.training.context import StageContext
 from pipeline.training.modeling.target import head_rows, require_target
-from pipeline.training.modeling.turns import turn_ends
-from pipeline.training.prepare.chat_template import PrepareError, exact_mismatch, load_chat_tokenizer, tokenize_samples, with_exact_reply
+from pipeline.config.run import THINKING
+from pipeline.training.modeling.thinking_switch import template_kwargs
+from pipeline.training.modeling.turns import reply_stop_ids
+from pipeline.training.prepare.chat_template import PrepareError, load_chat_tokenizer
+from pipeline.training.prepare.check import trained_problems
+from pipeline.training.prepare.samples import Built, SampleBuilder
 from pipeline.training.prepare.inputs import Sample, fingerprint, read_conversations, read_extra
 from pipeline.training.prepare.vocab import write_draft_vocab
 
-__all__ = ["prepare"]
+__all__ = ["build_row", "prepare", "sample_builder"]
 
 
-def _tokenize_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int, ctx: StageContext) -> tuple[list[Sample], int, int]:
-    """Samples with at least one trained token, how many were cut at ``max_length``, and how
-    many replies re-tokenise differently from the ids the server generated."""
+CHECKED_PER_DATASET = 8  # samples whose masks are checked before the rest is tokenized
+
+
+def sample_builder(config: RunConfig, tokenizer: Any) -> SampleBuilder:
+    """The builder for this run's target: per thinking mode, the template kwargs generate sent
+    and the reply format they give."""
+    kwargs = {mode: template_kwargs(config, tokenizer, mode) for mode in THINKING}
+    return SampleBuilder.learn(tokenizer, kwargs, reply_stop_ids(tokenizer, require_target(config).model))
+
+
+def build_row(builder: SampleBuilder, row: dict[str, Any]) -> list[Built]:
+    """The samples of one generated record; a reply the template cannot hold names the record."""
+    try:
+        return builder.build(row["messages"], row.get("trained"), row["thinking"], exact=row.get("exact"), finished=row["finished"])
+    except PrepareError as exc:
+        raise PrepareError(f"{row['dataset']}/{row['id']}: {exc}") from None
+
+
+def _tokenize_rows(builder: SampleBuilder, rows: list[dict[str, Any]], max_length: int, ctx: StageContext) -> tuple[list[Sample], int]:
+    """Samples with at least one trained token, and how many were cut at ``max_length``. The
+    first samples of each dataset are checked to train what the target wrote, before the rest."""
     samples: list[Sample] = []
-    truncated = mismatches = 0
-    ends = turn_ends(tokenizer)  # learned once: each splice locates the reply by them
+    truncated = 0
+    checked: Counter[str] = Counter()
     for i, row in enumerate(rows):
         ctx.checkpoint()
-        try:
-            rendered = tokenize_samples(tokenizer, row["messages"], max_length, row.get("trained"))
-            last_is_target = row.get("trained") is None or len(row["messages"]) - 1 in row["trained"]
-            if row.get("exact") and last_is_target and exact_mismatch(tokenizer, row["messages"], list(row["exact"]), ends):
-                mismatches += 1
-                rendered[0] = with_exact_reply(tokenizer, row["messages"], rendered[0], list(row["exact"]), max_length, ends)
-        except PrepareError as exc:
-            raise PrepareError(f"{row['dataset']}/{row['id']}: {exc}") from None
-        for ids, mask, full_length in rendered:
-            truncated += full_length > len(ids)
+        for built in build_row(builder, row):
+            if checked[row["dataset"]] < CHECKED_PER_DATASET:
+                checked[row["dataset"]] += 1
+                problems = trained_problems(builder.tokenizer, built, row["thinking"], builder.stop_ids, row["finished"])
+                if problems:
+                    raise PrepareError(
+                        f"{row['dataset']}/{row['id']}: the loss mask would not train what the target wrote: {'; '.join(problems)} "
+                        "(eagleops inspect RUN.toml shows the sample)"
+                    )
+            truncated += built.length > max_length
+            mask = built.mask[:max_length]
             if sum(mask):
-                samples.append((ids, mask))
+                samples.append((built.ids[:max_length], mask))
         ctx.progress(i + 1, len(rows), "samples")
-    return samples, truncated, mismatches
+    return samples, truncated
 
 
 def _write_shards(folder: Path, samples: list[Sample], per_shard: int) -> list[PreparedShard]:
@@ -108,7 +131,9 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
     rows, duplicates = read_conversations(config, ctx)
     rng = random.Random(config.prepare.seed)
     held_out, rows = _split(config, rows, rng)
-    samples, truncated, mismatches = _tokenize_rows(tokenizer, rows, config.prepare.max_length, ctx)
+    builder = sample_builder(config, tokenizer)
+    samples, truncated = _tokenize_rows(builder, rows, config.prepare.max_length, ctx)
+    mismatches = builder.exact_mismatches
     if mismatches:
         ctx.log(
             "warning",

@@ -1,0 +1,181 @@
+"""Training samples, each the sequence the target processed when it wrote a reply.
+
+For every reply the target wrote (``target_turns``), the sample is the template's rendering of
+the conversation before it, as the server saw it (the target's earlier replies without their
+thinking, which no server sends back), with the generation prompt in the words of the dataset's
+thinking mode; then the reply **exactly as the target emitted it**: the server's token ids
+where it gave them, else rebuilt in the target's own format (``ReplyFormat``, learned from the
+template). The loss covers what the target emitted, its turn end included; under
+``thinking = "drop"`` the thinking stays in the sequence (the target wrote the answer after it)
+but carries no loss. A reply whose sequence continues into the next reply's prompt shares one
+sample with it; where the template renders history differently (Qwen3 drops earlier thinking),
+each reply is a sample of its own, as the target saw it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.formats.thinking import split_thinking
+from pipeline.training.modeling.reply_format import ReplyFormat, Unrepresentable, learn_reply_format
+from pipeline.training.prepare.chat_template import PrepareError, render_ids
+
+__all__ = ["Built", "Reply", "SampleBuilder", "Unrepresentable"]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One reply the target wrote, as trained: where it sits in its sample and what it is."""
+
+    start: int  # first id of the reply in the sample
+    thinking: int  # ids of thinking (opens + thought + closes, or the bare prefix)
+    length: int  # ids of the whole reply, turn end included
+    answer: str
+    thought: str | None
+    exact: bool  # the server's own ids
+
+
+@dataclass
+class Built:
+    """One sample: ids, loss mask, length before truncation, the replies in it."""
+
+    ids: list[int]
+    mask: list[int]
+    replies: list[Reply] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+
+def _find(ids: list[int], part: list[int], start: int = 0) -> int:
+    """Index just past the first occurrence of ``part`` in ``ids`` from ``start``; -1 if none."""
+    for i in range(start, len(ids) - len(part) + 1):
+        if ids[i : i + len(part)] == part:
+            return i + len(part)
+    return -1
+
+
+class SampleBuilder:
+    """Samples of one target; ``formats`` and ``kwargs``: per thinking mode, the reply format and
+    the ``chat_template_kwargs`` generate sent."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        formats: dict[str, ReplyFormat],
+        kwargs: dict[str, dict[str, Any]],
+        stop_ids: Collection[int],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.formats = formats
+        self.kwargs = kwargs
+        self.stop_ids = frozenset(stop_ids)
+        self.exact_mismatches = 0
+
+    @classmethod
+    def learn(cls, tokenizer: Any, kwargs: dict[str, dict[str, Any]], stop_ids: Collection[int]) -> SampleBuilder:
+        """A builder whose reply formats are learned from the tokenizer's template, per mode."""
+        return cls(tokenizer, {mode: learn_reply_format(tokenizer, given) for mode, given in kwargs.items()}, kwargs, stop_ids)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def _thinking_end(self, fmt: ReplyFormat, ids: list[int], thought: str | None) -> int | None:
+        """Where the thinking ends in the server's ids: past the close (or the bare prefix), and
+        past the whitespace the format writes after it; None where it cannot be found."""
+        if thought and not fmt.shows_thinking:
+            return None
+        marker = (fmt.closes if thought else fmt.bare) or ""
+        if not marker.strip():
+            return 0 if not thought else None
+        end = _find(ids, self._encode(marker.strip()))
+        if end < 0:
+            return None
+        while end < len(ids) and ids[end] not in self.stop_ids and not self.tokenizer.decode([ids[end]]).strip():
+            end += 1
+        return end
+
+    def _rebuilt(self, fmt: ReplyFormat, thought: str | None, answer: str, finished: bool) -> tuple[list[int], list[int]]:
+        """(thinking ids, answer ids) of the reply rebuilt in the target's format."""
+        thinking_text, answer_text = fmt.pieces(thought, answer, finished=finished)
+        return self._encode(thinking_text), self._encode(answer_text)
+
+    def reply_ids(
+        self, fmt: ReplyFormat, thought: str | None, answer: str, exact: list[int] | None, finished: bool, *, split: bool
+    ) -> tuple[list[int], int, bool]:
+        """(the reply's ids, how many of them are thinking, whether they are the server's).
+        ``split``: the thinking must be told apart (it is not trained); with the server's ids
+        and no need to split, no format is needed at all."""
+        end = [fmt.end_id] if finished and fmt.end_id is not None else []
+        if exact:
+            ids = list(exact)
+            if finished and ids[-1] not in self.stop_ids:
+                ids += end  # a server that leaves the stop token out
+            try:
+                thinking, answer_ids = self._rebuilt(fmt, thought, answer, finished)
+                self.exact_mismatches += ids[: len(thinking) + len(answer_ids)] != thinking + answer_ids
+            except Unrepresentable:
+                self.exact_mismatches += 1
+            boundary = self._thinking_end(fmt, ids, thought)
+            if boundary is not None or not split:
+                return ids, boundary or 0, True
+        thinking, answer_ids = self._rebuilt(fmt, thought, answer, finished)
+        return thinking + answer_ids + end, len(thinking), False
+
+    def build(
+        self,
+        messages: list[dict[str, Any]],
+        trained: Collection[int] | None,
+        thinking: str,
+        *,
+        exact: list[int] | None = None,
+        finished: bool = True,
+        on_reply: Callable[[int], None] = lambda k: None,
+    ) -> list[Built]:
+        """The samples of one conversation; ``trained``: the indices of the replies the target
+        wrote (None: every assistant turn); ``exact``: the last reply's ids from the server;
+        ``finished``: whether that reply ended (not cut at ``max_tokens``)."""
+        fmt, kwargs = self.formats[thinking], self.kwargs[thinking]
+        turns = [
+            k
+            for k, m in enumerate(messages)
+            if m["role"] == "assistant" and (k in trained if trained is not None else not m.get("tool_calls"))
+        ]
+        # what the server was sent: the target's own replies went back without their thinking
+        sent = [{"role": m["role"], "content": m.get("content") or ""} if k in turns else m for k, m in enumerate(messages)]
+        samples: list[Built] = []
+        current: Built | None = None
+        for k in turns:
+            on_reply(k)
+            answer, thought = split_thinking(messages[k].get("content") or "", messages[k].get("reasoning_content"))
+            if thinking == "drop" and not fmt.shows_thinking:
+                thought = None  # not trained, and this template has no place for it: left out
+            last = k == len(messages) - 1
+            prompt = render_ids(self.tokenizer, sent[:k], generation_prompt=True, **kwargs)
+            try:
+                ids, thinking_ids, is_exact = self.reply_ids(
+                    fmt, thought, answer, exact if last else None, finished or not last, split=thinking == "drop"
+                )
+            except Unrepresentable as exc:
+                raise PrepareError(
+                    f"turn {k}: {exc}, so the target's thinking cannot be trained as it wrote it; "
+                    'set thinking = "drop" for this dataset, or generate from a server that returns token ids (vLLM)'
+                ) from None
+            loss_from = thinking_ids if thinking == "drop" else 0
+            mask = [0] * loss_from + [1] * (len(ids) - loss_from)
+            if current is not None and prompt[: current.length] == current.ids:
+                current.mask += [0] * (len(prompt) - current.length)
+                current.ids = list(prompt)
+            else:
+                if current is not None:
+                    samples.append(current)
+                current = Built(list(prompt), [0] * len(prompt))
+            current.replies.append(Reply(current.length, thinking_ids, len(ids), answer, thought, is_exact))
+            current.ids += ids
+            current.mask += mask
+        if current is not None:
+            samples.append(current)
+        return samples
