@@ -6,8 +6,8 @@ thinking, which no server sends back), with the generation prompt in the words o
 thinking mode; then the reply **exactly as the target emitted it**: the server's token ids
 where it gave them, else rebuilt in the target's own format (``ReplyFormat``, learned from the
 template). The loss covers what the target emitted, its turn end included; under
-``thinking = "drop"`` the thinking stays in the sequence (the target wrote the answer after it)
-but carries no loss. A reply whose sequence continues into the next reply's prompt shares one
+``thinking = "drop"`` (and under ``off``, for thinking that came anyway: gpt-oss cannot stop)
+the thinking stays in the sequence (the target wrote the answer after it) but carries no loss. A reply whose sequence continues into the next reply's prompt shares one
 sample with it; where the template renders history differently (Qwen3 drops earlier thinking),
 each reply is a sample of its own, as the target saw it.
 """
@@ -30,7 +30,7 @@ class Reply:
     """One reply the target wrote, as trained: where it sits in its sample and what it is."""
 
     start: int  # first id of the reply in the sample
-    thinking: int  # ids of thinking (opens + thought + closes, or the bare prefix)
+    thinking: int  # ids of its thinking (opens + thought + closes); 0 without (a bare prefix is trained)
     length: int  # ids of the whole reply, turn end included
     answer: str
     thought: str | None
@@ -84,14 +84,14 @@ class SampleBuilder:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     def _thinking_end(self, fmt: ReplyFormat, ids: list[int], thought: str | None) -> int | None:
-        """Where the thinking ends in the server's ids: past the close (or the bare prefix), and
-        past the whitespace the format writes after it; None where it cannot be found."""
-        if thought and not fmt.shows_thinking:
+        """Where the thinking ends in the server's ids: past the close and the whitespace the
+        format writes after it; None where it cannot be found. A reply without thinking has
+        none (its bare prefix, Qwen3's empty block, is written by the target and trained)."""
+        if not thought:
+            return 0
+        if not fmt.shows_thinking or not (fmt.closes or "").strip():
             return None
-        marker = (fmt.closes if thought else fmt.bare) or ""
-        if not marker.strip():
-            return 0 if not thought else None
-        end = _find(ids, self._encode(marker.strip()))
+        end = _find(ids, self._encode((fmt.closes or "").strip()))
         if end < 0:
             return None
         while end < len(ids) and ids[end] not in self.stop_ids and not self.tokenizer.decode([ids[end]]).strip():
@@ -123,7 +123,7 @@ class SampleBuilder:
             if boundary is not None or not split:
                 return ids, boundary or 0, True
         thinking, answer_ids = self._rebuilt(fmt, thought, answer, finished)
-        return thinking + answer_ids + end, len(thinking), False
+        return thinking + answer_ids + end, len(thinking) if thought else 0, False
 
     def build(
         self,
@@ -151,20 +151,21 @@ class SampleBuilder:
         for k in turns:
             on_reply(k)
             answer, thought = split_thinking(messages[k].get("content") or "", messages[k].get("reasoning_content"))
-            if thinking == "drop" and not fmt.shows_thinking:
+            untrained_thinking = thinking != "keep"  # off: thinking that came anyway (gpt-oss always thinks)
+            if untrained_thinking and not fmt.shows_thinking:
                 thought = None  # not trained, and this template has no place for it: left out
             last = k == len(messages) - 1
             prompt = render_ids(self.tokenizer, sent[:k], generation_prompt=True, **kwargs)
             try:
                 ids, thinking_ids, is_exact = self.reply_ids(
-                    fmt, thought, answer, exact if last else None, finished or not last, split=thinking == "drop"
+                    fmt, thought, answer, exact if last else None, finished or not last, split=untrained_thinking
                 )
             except Unrepresentable as exc:
                 raise PrepareError(
                     f"turn {k}: {exc}, so the target's thinking cannot be trained as it wrote it; "
                     'set thinking = "drop" for this dataset, or generate from a server that returns token ids (vLLM)'
                 ) from None
-            loss_from = thinking_ids if thinking == "drop" else 0
+            loss_from = thinking_ids if untrained_thinking else 0
             mask = [0] * loss_from + [1] * (len(ids) - loss_from)
             if current is not None and prompt[: current.length] == current.ids:
                 current.mask += [0] * (len(prompt) - current.length)
