@@ -306,7 +306,12 @@ def test_speculative_decoding_stops_on_any_of_the_replys_stop_ids():
 
 # ---- 6. thinking off in each template's own words -----------------------------------------------
 
-OWN_SWITCH = {"kimi-k2.5": {"thinking": False}, "deepseek-v3.1": {"thinking": False}, "qwen3-8b": {"enable_thinking": False}}
+OWN_SWITCH = {
+    "kimi-k2.5": {"thinking": False},
+    "deepseek-v3.1": {"thinking": False},
+    "qwen3-8b": {"enable_thinking": False},
+    "gpt-oss-20b": {"reasoning_effort": "low"},  # it cannot stop thinking: the least it does
+}
 
 
 @pytest.mark.parametrize("target", sorted(OWN_SWITCH))
@@ -336,6 +341,29 @@ async def test_generate_turns_thinking_off_with_the_targets_own_switch(tmp_path,
     config = make_config(tmp_path / "plain", fault_server.base_url, datasets, sampling=sampling)
     assert (await Engine(config, stages=("generate",)).run()).ok
     assert fault_server.stats()["thinking_off_thinking"] == 3
+
+
+@pytest.mark.parametrize(
+    ("target", "thinking", "counted"),
+    [
+        ("deepseek-v3.1", "keep", "thinking_on_thinking"),  # V3.1 thinks only when asked
+        ("deepseek-v3.1", "drop", "thinking_on_thinking"),
+        ("qwen3-8b", "keep", "thinking_on_enable_thinking"),
+        ("gpt-oss-20b", "off", "thinking_off_reasoning_effort"),  # top-level and in the template's words
+        ("llama-3.1-8b-instruct", "off", "thinking_off_enable_thinking"),  # no switch of its own: the common one
+    ],
+)
+async def test_generate_asks_for_thinking_in_the_targets_own_words(tmp_path, zoo_files, fault_server, target, thinking, counted):
+    from pipeline.engine import Engine
+
+    from .conftest import make_config, write_jsonl
+
+    source = write_jsonl(tmp_path / "a.jsonl", [{"id": f"a{i}", "prompt": f"q {i} [[think:reasoning]]"} for i in range(2)])
+    datasets = [{"name": "A", "path": str(source), "token_budget": "1M", "thinking": thinking}]
+    fault_server.reset()
+    config = make_config(tmp_path, fault_server.base_url, datasets, target={"model": str(zoo_files(target))})
+    assert (await Engine(config, stages=("generate",)).run()).ok
+    assert fault_server.stats()[counted] == 2
 
 
 @pytest.mark.parametrize("target", ["llama-3.1-8b-instruct", "kimi-k2.5"])

@@ -23,7 +23,9 @@ Faults are asked for in the prompt text, so a test decides exactly what each rec
                          OpenRouter), ``message.reasoning_content`` (SGLang) or ``inline``
                          (``<think>..</think>`` in content), with ``reasoning_tokens`` in usage;
                          none when the request turns thinking off (counted in ``thinking_off``,
-                         and by switch in ``thinking_off_enable_thinking`` / ``_thinking``)
+                         and by switch in ``thinking_off_enable_thinking`` / ``_thinking`` /
+                         ``_reasoning_effort``); a request turning it on by a template switch
+                         is counted in ``thinking_on_enable_thinking`` / ``_thinking``
 
 ``--fault-rate`` adds random transient faults (500, 429, reset, malformed) to any request.
 ``GET /admin/stats`` reports requests, completions, disconnects and peak concurrency.
@@ -57,7 +59,8 @@ class FaultServer:
         self.attempts: dict[str, int] = {}
         self.stats = {"requests": 0, "completed": 0, "disconnects": 0, "in_flight": 0, "max_in_flight": 0, "faults": 0, "thinking_off": 0}
         # which switch turned it off: templates read different ones (Qwen3 enable_thinking, Kimi thinking)
-        self.stats.update({f"thinking_off_{switch}": 0 for switch in _TEMPLATE_SWITCHES})
+        self.stats.update({f"thinking_off_{switch}": 0 for switch in (*_TEMPLATE_SWITCHES, "reasoning_effort")})
+        self.stats.update({f"thinking_on_{switch}": 0 for switch in _TEMPLATE_SWITCHES})
         self._canned: dict[int, bytes] = {}
 
     def app(self) -> web.Application:
@@ -155,9 +158,12 @@ class FaultServer:
         think = next((arg for kind, arg in directives if kind == "think"), None)
         if switch := _thinking_off(request_body):
             self.stats["thinking_off"] += 1
-            if switch in _TEMPLATE_SWITCHES:
+            if f"thinking_off_{switch}" in self.stats:
                 self.stats[f"thinking_off_{switch}"] += 1
-            think = None
+            if switch != "reasoning_effort":  # a low effort still thinks (gpt-oss cannot stop)
+                think = None
+        for name in _TEMPLATE_SWITCHES:
+            self.stats[f"thinking_on_{name}"] += (request_body.get("chat_template_kwargs") or {}).get(name) is True
         if think is not None:
             body = _with_thinking(body, think)
         if edits := [(kind, arg) for kind, arg in directives if kind in ("usage", "bigreply", "echo")]:
@@ -227,6 +233,8 @@ def _thinking_off(body: dict) -> str | None:
     template = body.get("chat_template_kwargs") or {}
     reasoning = body.get("reasoning") or {}
     switch = next((name for name in _TEMPLATE_SWITCHES if template.get(name) is False), None)
+    if switch is None and body.get("reasoning_effort") == "low" and template.get("reasoning_effort") == "low":
+        switch = "reasoning_effort"  # gpt-oss: the OpenAI field and the template's, both sent
     return switch or ("reasoning.enabled" if reasoning.get("enabled") is False else None)
 
 
