@@ -20,8 +20,9 @@ Faults are asked for in the prompt text, so a test decides exactly what each rec
     [[delay:S]]          answer after S seconds
     [[cost:X]]           report ``usage.cost`` = X dollars, as OpenRouter does
     [[think:FORM]]       a reasoning model's reply: its thinking in ``message.reasoning`` (vLLM,
-                         OpenRouter), ``message.reasoning_content`` (SGLang) or ``inline``
-                         (``<think>..</think>`` in content), with ``reasoning_tokens`` in usage;
+                         OpenRouter), ``message.reasoning_content`` (SGLang), ``inline``
+                         (``<think>..</think>`` in content) or ``opened`` (``..</think>`` in
+                         content: the prompt opened the block), with ``reasoning_tokens`` in usage;
                          none when the request turns thinking off (counted in ``thinking_off``,
                          and by switch in ``thinking_off_enable_thinking`` / ``_thinking`` /
                          ``_reasoning_effort``); a request turning it on by a template switch
@@ -243,6 +244,8 @@ def _with_thinking(body: bytes, form: str) -> bytes:
     message = payload["choices"][0]["message"]
     if form == "inline":
         message["content"] = f"<think>{_THOUGHT}</think>\n\n{message['content']}"
+    elif form == "opened":  # no parser, and the generation prompt opened the block (R1, V3.1, Kimi)
+        message["content"] = f"{_THOUGHT}</think>{message['content']}"
     else:
         message[form] = _THOUGHT
     thought_tokens = len(_THOUGHT.split())
