@@ -49,6 +49,16 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("run_file", type=Path)
         add_view_flags(p)
 
+    inspect = sub.add_parser("inspect", help="show what prepare would train: samples with trained spans marked, counts, refusals")
+    inspect.add_argument("run_file", type=Path)
+    inspect.add_argument("--samples", type=int, default=2, metavar="N", help="samples shown per dataset (default 2)")
+    inspect.add_argument("--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)")
+    inspect.add_argument(
+        "--color", choices=("auto", "always", "never"), default="auto", help="ANSI colour (auto: a terminal, NO_COLOR unset)"
+    )
+    inspect.add_argument("--full", action="store_true", help="show long prompts whole (default: shortened in the middle)")
+    inspect.add_argument("--json", action="store_true", help="the report as one JSON object, nothing rendered")
+
     demo = sub.add_parser("demo", help="offline end-to-end run on a tiny local model")
     demo.add_argument("--dir", type=Path, default=Path("eagleops-demo"), help="where the demo keeps its files")
     demo.add_argument("--fresh", action="store_true", help="discard the demo's earlier output and generate again")
@@ -177,6 +187,24 @@ def _run_detached(config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    """Exit 0 when every record builds and every mask checks out; 2 (what prepare would exit) if not."""
+    from pipeline.training.prepare.inspect import inspect_run, render_text
+
+    if args.samples < 0:
+        return _die("--samples must be 0 or more", EXIT_USAGE)
+    config = load_run(args.run_file)
+    if config.target is None:
+        return _die(f"{args.run_file}: inspect needs a [target] table naming the target model", EXIT_USAGE)
+    report = inspect_run(config, args.samples, args.dataset)
+    if args.json:
+        print(json.dumps(report.to_json(), ensure_ascii=False, indent=1))
+    else:
+        color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+        print(render_text(report, color=color, context_chars=None if args.full else 600))
+    return 0 if report.ok else EXIT_USAGE
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -187,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             if config.target is None:
                 return _die(f"{args.run_file}: {args.command} needs a [target] table naming the target model", EXIT_USAGE)
             return _run(config, args, stages=(args.command,))
+        if args.command == "inspect":
+            return _inspect(args)
         if args.command == "demo":
             from pipeline.demo.demo import prepare_demo
 
