@@ -27,6 +27,7 @@ from pipeline.training.context import StageContext
 from pipeline.training.export.speculators import speculators_config, speculators_dir, speculators_weights
 from pipeline.training.modeling.drafter import EXPORTED_PREFIXES
 from pipeline.training.modeling.drafter_config import exported_config
+from pipeline.training.modeling.rope import legacy_engine_warning
 from pipeline.training.modeling.target import require_target
 
 __all__ = ["export"]
@@ -68,6 +69,9 @@ def export(config: RunConfig, ctx: StageContext, *, dtype: torch.dtype = torch.b
         if key.startswith(EXPORTED_PREFIXES) and not key.startswith("rotary"):
             weights[key] = value.to(dtype) if value.is_floating_point() else value.contiguous()
     server = exported_config(state.drafter_config, state.capture, str(dtype).removeprefix("torch."))
+    note = legacy_engine_warning(server["rope_scaling"])
+    if note:
+        ctx.log("warning", f"export: {note}")
     out = config.export_dir
     _write_dir(out, weights, server)
     _write_dir(

@@ -16,6 +16,7 @@ from typing import Any
 from pipeline.errors import InputError
 from pipeline.training.artifacts import CaptureLayout
 from pipeline.training.modeling.layers import engine_layer_ids, layers_from_engine_ids
+from pipeline.training.modeling.rope import engine_rope_scaling
 
 __all__ = ["ARCHITECTURE", "drafter_config_from_target", "exported_capture", "exported_config"]
 
@@ -60,6 +61,8 @@ def drafter_config_from_target(
     )
     if rope:
         config.rope_parameters = dict(rope)
+        # refused here too, before a training whose drafter no engine would serve as trained
+        engine_rope_scaling({k: v for k, v in rope.items() if k != "rope_theta"})
     for key, value in _eagle3_fields(aux_layers, draft_vocab_size=draft_vocab_size, target_hidden_size=text.hidden_size).items():
         setattr(config, key, value)
     return config
@@ -68,7 +71,8 @@ def drafter_config_from_target(
 def exported_config(drafter_config: dict[str, Any], capture: CaptureLayout, dtype: str) -> dict[str, Any]:
     """config.json as SGLang and vLLM read it, from the config the drafter was trained with and
     the layout of the features it was trained on. They want the flat pre-v5 rope fields (theta,
-    and scaling only when not default)."""
+    and scaling only when not default), written so that each engine computes the rotary tables
+    training did (``modeling.rope``; an InputError where none can)."""
     from transformers import LlamaConfig
 
     payload = LlamaConfig.from_dict(drafter_config).to_dict()
@@ -76,7 +80,10 @@ def exported_config(drafter_config: dict[str, Any], capture: CaptureLayout, dtyp
     rope = dict(payload.get("rope_parameters") or {})
     payload["rope_theta"] = rope.get("rope_theta", payload.get("rope_theta", 10000.0))
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    payload["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    # both engines read rope_parameters first, so it carries the adjusted scaling too
+    exported = engine_rope_scaling(scaling if scaling.get("rope_type", "default") != "default" else None)
+    payload["rope_scaling"] = exported
+    payload["rope_parameters"] = {**(exported or {"rope_type": "default"}), "rope_theta": payload["rope_theta"]}
     payload.update(_eagle3_fields(capture.aux_layers, draft_vocab_size=payload["draft_vocab_size"], target_hidden_size=capture.hidden_size))
     return payload
 
