@@ -178,30 +178,45 @@ def test_the_speculators_config_names_the_verifiers_own_architecture(target, zoo
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("target", "options"),
+    ("target", "options", "thinking"),
     [
-        ("kimi-k2.5", {"trust_remote_code": True}),
-        ("qwen3-8b", {}),
-        ("deepseek-v3.1", {}),
-        ("gpt-oss-20b", {}),
-        ("llama-3.1-8b-instruct", {}),
+        ("kimi-k2.5", {"trust_remote_code": True}, "keep"),
+        ("qwen3-8b", {}, "keep"),
+        ("deepseek-v3.1", {}, "keep"),
+        ("gpt-oss-20b", {}, "keep"),
+        ("llama-3.1-8b-instruct", {}, "drop"),
     ],
 )
-def test_a_real_targets_stand_in_goes_through_every_ml_stage(tmp_path, zoo_model, target, options):
+async def test_a_real_targets_stand_in_goes_through_every_stage(tmp_path, zoo_model, fault_server, target, options, thinking):
     """Every zoo target, among them Kimi-K2.5 (a wrapper, remote code), Qwen3 and DeepSeek-V3.1
-    (tokenizers shorter than the head): prepare, extract, train, export and eval run, and the
-    export names the real verifier."""
-    import asyncio
-
+    (tokenizers shorter than the head): generate (a server answering as the model does, thinking
+    included, whole chats and chats after a tool call), prepare, extract, train, export and eval
+    run; eval replays the prompts the server was fed; the export names the real verifier."""
     from pipeline.engine import Engine
     from pipeline.protocol.events import StageStatus
 
+    from .conftest import make_config
+    from .test_zoo_pipeline import SERVED_AS, _sources
+
     folder = zoo_model(target)
-    sections = {**STAGE_SETTINGS, "prepare": {"draft_vocab_size": 64, "eval_fraction": 0.1, "eval_max": 2}}
-    config = _config(tmp_path, folder, sections, **options)
-    stages = ("prepare", "extract", "train", "export", "eval")
-    summary = asyncio.run(Engine(config, stages=stages).run())
+    chats, tools = _sources(tmp_path, SERVED_AS[target])
+    datasets = [
+        {"name": "chats", "path": str(chats), "format": "conversations", "token_budget": "1M", "regenerate": "all"},
+        {"name": "tools", "path": str(tools), "format": "messages", "token_budget": "1M", "regenerate": "all"},
+    ]
+    fault_server.reset()
+    sections = {**STAGE_SETTINGS, "prepare": {"draft_vocab_size": 64, "eval_fraction": 0.2, "eval_max": 2}}
+    config = make_config(tmp_path, fault_server.base_url, datasets, thinking=thinking, target={"model": str(folder), **options}, **sections)
+    stages = ("generate", "prepare", "extract", "train", "export", "eval")
+    summary = await Engine(config, stages=stages).run()
     assert all(summary.stages[s] == StageStatus.DONE for s in stages), summary.stages
+    held = [json.loads(line) for line in (config.prepared_dir / "eval.jsonl").read_text().splitlines()]
+    assert held and all(row["prompt_ids"] for row in held)
+    from .test_target_formats import PROMPT_ENDS
+
+    if (target, thinking) in PROMPT_ENDS:  # the prompt in the mode's own words (V3.1: thinking on)
+        tokenizer = _own_tokenizer(folder, target)
+        assert all(tokenizer.decode(row["prompt_ids"]).endswith(PROMPT_ENDS[(target, thinking)]) for row in held)
     exported = json.loads((config.export_dir.with_name(config.export_dir.name + "-speculators") / "config.json").read_text())
     assert exported["speculators_config"]["verifier"]["architectures"] == json.loads((folder / "config.json").read_text())["architectures"]
 
@@ -246,7 +261,12 @@ def test_the_generated_ids_are_trained_up_to_the_turn_end_not_the_eos(target, zo
     tokenizer = _own_tokenizer(folder, target)
     end = tokenizer.convert_tokens_to_ids(TURN_ENDS[target])
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cache keeps tokens"}]
-    before = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True, **({"enable_thinking": False} if target == "qwen3-8b" else {"thinking": False}))
+    before = tokenizer.apply_chat_template(
+        messages[:1],
+        add_generation_prompt=True,
+        tokenize=True,
+        **({"enable_thinking": False} if target == "qwen3-8b" else {"thinking": False}),
+    )
     before = list(before["input_ids"] if hasattr(before, "keys") else before)
     reply = [tok for ch in "the cache keeps tokens" for tok in tokenizer.encode(ch, add_special_tokens=False)]
     [sample] = builder_for(tokenizer, folder).build(messages, None, "off", exact=[*reply, end])

@@ -157,7 +157,9 @@ def test_llama_cannot_show_kept_thinking_and_says_what_to_do(builders):
 @pytest.mark.parametrize("conversation", ["one", "two", "tool"])
 def test_dropped_thinking_is_context_never_trained(builders, target, conversation):
     b = builders(target)
-    messages, trained, answers = {"one": (_one(), [1], [C]), "two": (_two(), [1, 3], [C, C2]), "tool": (_after_tool(), [4], [C])}[conversation]
+    messages, trained, answers = {"one": (_one(), [1], [C]), "two": (_two(), [1, 3], [C, C2]), "tool": (_after_tool(), [4], [C])}[
+        conversation
+    ]
     samples = b.build(messages, trained, "drop")
     assert sorted(_spans(b, samples)) == sorted(f"{c}{END[target]}" for c in answers)
     _check(b, samples, "drop")

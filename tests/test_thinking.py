@@ -150,7 +150,7 @@ def test_kept_thinking_a_template_cannot_show_is_refused_unless_the_servers_ids_
     from pipeline.training.prepare.chat_template import PrepareError
 
     verbatim = _with_template(builder, VERBATIM)
-    with pytest.raises(PrepareError, match="shows no thinking.*thinking = \"drop\""):
+    with pytest.raises(PrepareError, match='shows no thinking.*thinking = "drop"'):
         verbatim.build(ANSWER, None, "keep")
     emitted = tokenizer.encode(f"<think>{THOUGHT}</think>four", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|eot_id|>")]
     [sample] = verbatim.build(ANSWER, None, "keep", exact=emitted)

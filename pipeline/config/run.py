@@ -79,7 +79,8 @@ class SamplingConfig:
     extra: dict[str, Any] = setting({}, "more request fields, sent as given (e.g. `top_k`)", check=REQUEST_FIELDS)
     thinking_off_kwargs: dict[str, Any] | None = setting(None, "`chat_template_kwargs` turning thinking off; default: the target's own")
     thinking_on_kwargs: dict[str, Any] | None = setting(
-        None, "`chat_template_kwargs` turning thinking on, for `keep` and `drop` (DeepSeek-V3.1 thinks only when asked); default: the target's own"
+        None,
+        "`chat_template_kwargs` turning thinking on, for `keep` and `drop` (DeepSeek-V3.1 thinks only when asked); default: the target's own",
     )
 
 

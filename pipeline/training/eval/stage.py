@@ -32,8 +32,12 @@ def _held_out_prompts(config: RunConfig) -> list[dict[str, Any]]:
     return prompts
 
 
-def _prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def _prompt_ids(tokenizer: Any, held: dict[str, Any]) -> list[int]:
+    """The ids the server fed the target (prepare writes them); rendered again for an older
+    eval.jsonl without them."""
+    if isinstance(held.get("prompt_ids"), list):
+        return [int(i) for i in held["prompt_ids"]]
+    encoded = tokenizer.apply_chat_template(held["messages"], add_generation_prompt=True, tokenize=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
@@ -67,7 +71,7 @@ def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False, b
     if not untrained:
         _check_export_against_features(config)
     tokenizer = load_target_tokenizer(target)
-    prompts = [_prompt_ids(tokenizer, row["messages"]) for row in _held_out_prompts(config)]
+    prompts = [_prompt_ids(tokenizer, row) for row in _held_out_prompts(config)]
     chosen = backend or config.eval.backend
     if chosen in ("vllm", "sglang") and not untrained:
         from pipeline.training.eval.served import evaluate_served, evaluate_sglang

@@ -15,7 +15,14 @@ from typing import Any
 
 from pipeline.config import RunConfig
 
-__all__ = ["CANDIDATE_SWITCHES", "ThinkingSwitch", "learn_thinking_switch", "template_kwargs", "thinking_off_kwargs", "with_target_thinking_switch"]
+__all__ = [
+    "CANDIDATE_SWITCHES",
+    "ThinkingSwitch",
+    "learn_thinking_switch",
+    "template_kwargs",
+    "thinking_off_kwargs",
+    "with_target_thinking_switch",
+]
 
 
 @dataclass(frozen=True)

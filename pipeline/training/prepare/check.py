@@ -20,7 +20,7 @@ def _flat(text: str) -> str:
 def trained_problems(tokenizer: Any, built: Built, thinking: str, stop_ids: Collection[int], finished: bool = True) -> list[str]:
     """What is wrong with the sample's loss mask; empty when it trains what the target wrote."""
     problems: list[str] = []
-    covered = set()
+    covered: set[int] = set()
     for n, reply in enumerate(built.replies, 1):
         span = range(reply.start, reply.start + reply.length)
         covered.update(span)

@@ -58,6 +58,18 @@ def _find(ids: list[int], part: list[int], start: int = 0) -> int:
     return -1
 
 
+def _target_turns(messages: list[dict[str, Any]], trained: Collection[int] | None) -> list[int]:
+    """The indices of the replies the target wrote (None: every assistant turn but tool calls)."""
+    return [
+        k for k, m in enumerate(messages) if m["role"] == "assistant" and (k in trained if trained is not None else not m.get("tool_calls"))
+    ]
+
+
+def _as_sent(messages: list[dict[str, Any]], turns: Collection[int]) -> list[dict[str, Any]]:
+    """The conversation as the server was sent it: the target's replies without their thinking."""
+    return [{"role": m["role"], "content": m.get("content") or ""} if k in turns else m for k, m in enumerate(messages)]
+
+
 class SampleBuilder:
     """Samples of one target; ``formats`` and ``kwargs``: per thinking mode, the reply format and
     the ``chat_template_kwargs`` generate sent."""
@@ -125,6 +137,12 @@ class SampleBuilder:
         thinking, answer_ids = self._rebuilt(fmt, thought, answer, finished)
         return thinking + answer_ids + end, len(thinking) if thought else 0, False
 
+    def served_prompt(self, messages: list[dict[str, Any]], trained: Collection[int] | None, thinking: str) -> list[int]:
+        """The ids a server fed the target to write the conversation's last reply: what eval
+        replays on held-out conversations."""
+        sent = _as_sent(messages, _target_turns(messages, trained))
+        return render_ids(self.tokenizer, sent[:-1], generation_prompt=True, **self.kwargs[thinking])
+
     def build(
         self,
         messages: list[dict[str, Any]],
@@ -139,13 +157,8 @@ class SampleBuilder:
         wrote (None: every assistant turn); ``exact``: the last reply's ids from the server;
         ``finished``: whether that reply ended (not cut at ``max_tokens``)."""
         fmt, kwargs = self.formats[thinking], self.kwargs[thinking]
-        turns = [
-            k
-            for k, m in enumerate(messages)
-            if m["role"] == "assistant" and (k in trained if trained is not None else not m.get("tool_calls"))
-        ]
-        # what the server was sent: the target's own replies went back without their thinking
-        sent = [{"role": m["role"], "content": m.get("content") or ""} if k in turns else m for k, m in enumerate(messages)]
+        turns = _target_turns(messages, trained)
+        sent = _as_sent(messages, turns)
         samples: list[Built] = []
         current: Built | None = None
         for k in turns:

@@ -25,16 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
+from pipeline.config.run import THINKING
 from pipeline.training.artifacts import PreparedIndex, PreparedShard
 from pipeline.training.context import StageContext
 from pipeline.training.modeling.target import head_rows, require_target
-from pipeline.config.run import THINKING
 from pipeline.training.modeling.thinking_switch import template_kwargs
 from pipeline.training.modeling.turns import reply_stop_ids
 from pipeline.training.prepare.chat_template import PrepareError, load_chat_tokenizer
 from pipeline.training.prepare.check import trained_problems
-from pipeline.training.prepare.samples import Built, SampleBuilder
 from pipeline.training.prepare.inputs import Sample, fingerprint, read_conversations, read_extra
+from pipeline.training.prepare.samples import Built, SampleBuilder
 from pipeline.training.prepare.vocab import write_draft_vocab
 
 __all__ = ["build_row", "prepare", "sample_builder"]
@@ -104,10 +104,14 @@ def _write_shards(folder: Path, samples: list[Sample], per_shard: int) -> list[P
     return shards
 
 
-def _write_held_out(folder: Path, held_out: list[dict[str, Any]]) -> None:
+def _write_held_out(folder: Path, held_out: list[dict[str, Any]], builder: SampleBuilder) -> None:
+    """Held-out conversations for eval, each with the prompt ids the server fed the target (the
+    thinking mode's template switch, the history as sent), so eval replays what serving sees."""
     with open(folder / "eval.jsonl", "w", encoding="utf-8") as f:
         for row in held_out:
-            f.write(json.dumps({"id": row["id"], "dataset": row["dataset"], "messages": row["messages"][:-1]}, ensure_ascii=False) + "\n")
+            prompt_ids = builder.served_prompt(row["messages"], row.get("trained"), row["thinking"])
+            held = {"id": row["id"], "dataset": row["dataset"], "messages": row["messages"][:-1], "prompt_ids": prompt_ids}
+            f.write(json.dumps(held, ensure_ascii=False) + "\n")
 
 
 def _split(config: RunConfig, rows: list[dict[str, Any]], rng: random.Random) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -161,7 +165,7 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
         )
     draft_ids = write_draft_vocab(tmp, counts, vocab_size, config.prepare.draft_vocab_size)
     shards = _write_shards(tmp, samples, config.prepare.shard_samples)
-    _write_held_out(tmp, held_out)
+    _write_held_out(tmp, held_out, builder)
     total_assistant = sum(counts.values())
     index = PreparedIndex(
         fingerprint=wanted,
