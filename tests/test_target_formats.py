@@ -232,3 +232,36 @@ def test_a_reply_cut_while_thinking_is_trained_without_a_close_or_an_end(builder
     b = builders("qwen3-8b")
     cut = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "", "reasoning_content": R}]
     assert _spans(b, b.build(cut, [1], "keep", finished=False)) == [f"<think>\n{R}"]
+
+
+# ---- a regenerated chat keeps every reply's ids from the server ------------------------------
+
+
+async def test_a_regenerated_chat_records_every_replys_ids():
+    from pipeline.generate.client import Completion
+    from pipeline.generate.conversation import regenerate_all
+    from pipeline.generate.records import generated_record
+    from pipeline.generate.sources import Prompt
+
+    class Client:
+        calls = 0
+
+        async def complete(self, messages, thinking):
+            Client.calls += 1
+            ids = (10 * Client.calls, 10 * Client.calls + 1)
+            return Completion(f"answer {Client.calls}", "stop", 5, 2, "server", "e", 0.1, 1, token_ids=ids)
+
+    turns = ({"role": "user", "content": "a"}, {"role": "assistant", "content": "old"}, {"role": "user", "content": "b"})
+    conversation, completion, written = await regenerate_all(Client(), turns, "keep")
+    record = generated_record(Prompt("p", turns, 0, 1, 1), "D", conversation, completion, written, model="m", thinking="keep")
+    assert record["target_turns"] == [1, 3] and record["reply_token_ids"] == [[10, 11], [20, 21]]
+    assert record["completion_token_ids"] == [20, 21]
+
+
+@pytest.mark.parametrize("target", THINKERS)
+def test_every_reply_of_a_regenerated_chat_is_trained_on_the_servers_ids(builders, target):
+    b = builders(target)
+    emitted = {k: b.tokenizer.encode(KEEP[target].format(r=r, c=c), add_special_tokens=False) for k, r, c in ((1, R, C), (3, R2, C2))}
+    samples = b.build(_two(), [1, 3], "drop", exact_turns=emitted)
+    assert all(reply.exact for s in samples for reply in s.replies)
+    assert sorted(_spans(b, samples)) == sorted([f"{C}{END[target]}", f"{C2}{END[target]}"])

@@ -70,6 +70,8 @@ class Completion:
     reasoning: str | None = None
     reasoning_tokens: int = 0  # of completion_tokens; the server's count, else estimated
     token_ids: tuple[int, ...] | None = None
+    # a regenerated conversation's record: every reply's ids, in order (the last is token_ids)
+    reply_token_ids: tuple[tuple[int, ...] | None, ...] = ()
 
 
 def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:

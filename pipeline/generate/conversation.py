@@ -40,6 +40,7 @@ def _combined(completions: list[Completion]) -> Completion:
         latency_s=sum(c.latency_s for c in completions),
         attempts=sum(c.attempts for c in completions),
         cost=sum(costs) if costs else None,
+        reply_token_ids=tuple(c.token_ids for c in completions),
     )
 
 

@@ -46,6 +46,9 @@ def generated_record(
     }
     if completion.token_ids is not None:
         record["completion_token_ids"] = list(completion.token_ids)
+    earlier = completion.reply_token_ids
+    if len(earlier) > 1 and all(ids is not None for ids in earlier):  # each reply of the chat, as target_turns
+        record["reply_token_ids"] = [list(ids) for ids in earlier if ids is not None]
     return record
 
 

@@ -65,6 +65,8 @@ def read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict[
                 seen.add(key)
                 exact = record.get("completion_token_ids")
                 trained = record.get("target_turns")  # absent in older outputs: every assistant turn
+                replies = record.get("reply_token_ids")  # every reply's ids, for a regenerated chat
+                exact_turns = dict(zip(trained, replies, strict=True)) if trained and replies and len(replies) == len(trained) else {}
                 rows.append(
                     {
                         "key": key,
@@ -72,6 +74,7 @@ def read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict[
                         "dataset": ds.name,
                         "messages": messages,
                         "exact": exact,
+                        "exact_turns": exact_turns,
                         "trained": trained,
                         "thinking": thinking,
                         "finished": record.get("finish_reason") != "length",

@@ -150,11 +150,13 @@ class SampleBuilder:
         thinking: str,
         *,
         exact: list[int] | None = None,
+        exact_turns: dict[int, list[int]] | None = None,
         finished: bool = True,
         on_reply: Callable[[int], None] = lambda k: None,
     ) -> list[Built]:
         """The samples of one conversation; ``trained``: the indices of the replies the target
-        wrote (None: every assistant turn); ``exact``: the last reply's ids from the server;
+        wrote (None: every assistant turn); ``exact``: the last reply's ids from the server,
+        ``exact_turns``: any reply's, by index (a regenerated conversation's);
         ``finished``: whether that reply ended (not cut at ``max_tokens``)."""
         fmt, kwargs = self.formats[thinking], self.kwargs[thinking]
         turns = _target_turns(messages, trained)
@@ -171,7 +173,12 @@ class SampleBuilder:
             prompt = render_ids(self.tokenizer, sent[:k], generation_prompt=True, **kwargs)
             try:
                 ids, thinking_ids, is_exact = self.reply_ids(
-                    fmt, thought, answer, exact if last else None, finished or not last, split=untrained_thinking
+                    fmt,
+                    thought,
+                    answer,
+                    exact if last and exact else (exact_turns or {}).get(k),
+                    finished or not last,
+                    split=untrained_thinking,
                 )
             except Unrepresentable as exc:
                 raise PrepareError(

@@ -53,7 +53,14 @@ def sample_builder(config: RunConfig, tokenizer: Any) -> SampleBuilder:
 def build_row(builder: SampleBuilder, row: dict[str, Any]) -> list[Built]:
     """The samples of one generated record; a reply the template cannot hold names the record."""
     try:
-        return builder.build(row["messages"], row.get("trained"), row["thinking"], exact=row.get("exact"), finished=row["finished"])
+        return builder.build(
+            row["messages"],
+            row.get("trained"),
+            row["thinking"],
+            exact=row.get("exact"),
+            exact_turns=row.get("exact_turns"),
+            finished=row["finished"],
+        )
     except PrepareError as exc:
         raise PrepareError(f"{row['dataset']}/{row['id']}: {exc}") from None
 
