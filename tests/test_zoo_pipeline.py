@@ -1,6 +1,7 @@
 """Each real target of the zoo from generate to prepare, in every thinking mode: a server answering
 as that model does (its thinking split out by a parser, or left inline where the prompt opened
-it), two-turn chats regenerated whole and a chat that goes on after a tool result. Every span
+it), two-turn chats regenerated whole or only their last reply, and a chat that goes on after a
+tool result. Every span
 prepare trains is what the target emitted, and nothing else is."""
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ async def test_generate_then_prepare_trains_what_the_target_emitted(tmp_path, zo
     datasets = [
         {"name": "chats", "path": str(chats), "format": "conversations", "token_budget": "1M", "regenerate": "all"},
         {"name": "tools", "path": str(tools), "format": "messages", "token_budget": "1M", "regenerate": "all"},
+        {"name": "last", "path": str(chats), "format": "conversations", "token_budget": "1M", "regenerate": "last"},
     ]
     fault_server.reset()
     config = make_config(
@@ -108,8 +110,10 @@ async def test_generate_then_prepare_trains_what_the_target_emitted(tmp_path, zo
     )
     assert (await Engine(config, stages=("generate",)).run()).ok
     run_stage(config, "prepare")  # its error, if any, raised here
-    records = read_jsonl(config.output_dir / "chats" / "data.jsonl") + read_jsonl(config.output_dir / "tools" / "data.jsonl")
-    assert len(records) == 5 and all("ANOTHER MODEL" not in json.dumps(r["conversations"][k]) for r in records for k in r["target_turns"])
+    records = [r for name in ("chats", "tools", "last") for r in read_jsonl(config.output_dir / name / "data.jsonl")]
+    assert [len(r["target_turns"]) for r in records] == [2, 2, 2, 1, 1, 1, 1, 1]  # last: another model's reply stays history
+    assert all(r["conversations"][1]["content"] == "ANOTHER MODEL'S WORDS" for r in records[5:])
+    assert all("ANOTHER MODEL" not in json.dumps(r["conversations"][k]) for r in records for k in r["target_turns"])
     if thinking != "off" and SERVED_AS[target]:
         assert all(r["conversations"][k].get("reasoning_content") for r in records for k in r["target_turns"])
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=target in REMOTE_CODE)
