@@ -34,12 +34,13 @@ from typing import Any
 from pipeline.formats.thinking import THINK_CLOSE, THINK_OPEN
 from pipeline.training.modeling.turns import turn_ends
 
-__all__ = ["REASONING_FIELDS", "ReplyFormat", "Unrepresentable", "learn_reply_format"]
+__all__ = ["PROBE_QUESTION", "REASONING_FIELDS", "ReplyFormat", "Unrepresentable", "learn_reply_format"]
 
 # the keys templates read an assistant turn's thinking from
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 
-_USER = {"role": "user", "content": "eagleopsprobequestion"}
+PROBE_QUESTION = "eagleopsprobequestion"  # the user turn of every probe, where a generation prompt's tail starts
+_USER = {"role": "user", "content": PROBE_QUESTION}
 _THOUGHT = "eagleopsprobethought"
 _ANSWER = "eagleopsprobeanswer"
 _CALL = {"id": "call_0", "type": "function", "function": {"name": "eagleopsprobetool", "arguments": "{}"}}

@@ -19,7 +19,7 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.errors import EagleOpsError, UsageError
 from pipeline.training.context import StageContext
-from pipeline.training.modeling.reply_format import ReplyFormat
+from pipeline.training.modeling.reply_format import PROBE_QUESTION, ReplyFormat
 from pipeline.training.modeling.target import require_target
 from pipeline.training.prepare.chat_template import PrepareError, load_chat_tokenizer
 from pipeline.training.prepare.check import trained_problems
@@ -29,7 +29,6 @@ from pipeline.training.prepare.stage import build_row, sample_builder
 
 __all__ = ["DatasetReport", "FormatView", "InspectReport", "Reason", "SampleView", "Span", "inspect_run", "render_text"]
 
-_PROBE = "eagleopsprobequestion"  # the user turn reply_format renders to learn the format
 CONTEXT, THINKING, ANSWER = "context", "thinking", "answer"  # a span: not trained, trained thinking, trained answer
 
 
@@ -190,7 +189,7 @@ def _add_sample(
 
 
 def _format_view(mode: str, fmt: ReplyFormat) -> FormatView:
-    prompt = fmt.generation_prompt.rpartition(_PROBE)[2]  # after the question of the probe it was learned from
+    prompt = fmt.generation_prompt.rpartition(PROBE_QUESTION)[2]  # after the question of the probe it was learned from
     return FormatView(mode, fmt.learned_from, repr(prompt), repr(fmt.opens), repr(fmt.closes), repr(fmt.bare))
 
 
