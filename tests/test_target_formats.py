@@ -265,3 +265,22 @@ def test_every_reply_of_a_regenerated_chat_is_trained_on_the_servers_ids(builder
     samples = b.build(_two(), [1, 3], "drop", exact_turns=emitted)
     assert all(reply.exact for s in samples for reply in s.replies)
     assert sorted(_spans(b, samples)) == sorted([f"{C}{END[target]}", f"{C2}{END[target]}"])
+
+
+@pytest.mark.parametrize("target", ["qwen3-8b", "kimi-k2.5", "deepseek-v3.1"])
+@pytest.mark.parametrize("mode", ["keep", "drop"])
+def test_the_check_reads_a_reply_as_the_server_decoded_it(builders, target, mode):
+    """A sampled model can write a thinking tag again in its answer or mid-thought; the ids are
+    what it wrote, while vLLM's reasoning parser strips those tags from the text it returns.
+    The check on the first samples compares the text as the server decoded it, not only our
+    decoding: before, one such reply among a dataset's first eight stopped prepare (CI)."""
+    from pipeline.training.prepare.check import trained_problems
+
+    b = builders(target)
+    wrote_thought, wrote_answer = "Two <think>plus two", "It is</think> 4."
+    emitted = b.tokenizer.encode(KEEP[target].format(r=wrote_thought, c=wrote_answer), add_special_tokens=False)
+    as_served = {"role": "assistant", "content": "It is 4.", "reasoning_content": "Two plus two"}
+    samples = b.build([{"role": "user", "content": "What is 2+2?"}, as_served], [1], mode, exact=emitted)
+    assert samples[0].ids[-len(emitted) :] == emitted
+    for sample in samples:
+        assert trained_problems(b.tokenizer, sample, mode, b.stop_ids) == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from pipeline.formats.thinking import THINK_CLOSE, THINK_OPEN
 from pipeline.training.prepare.samples import Built
 
 __all__ = ["trained_problems"]
@@ -17,20 +18,48 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
+def _droppable_texts(tokenizer: Any) -> list[str]:
+    """What a server may leave out of a reply's text, longest first: the special added tokens
+    (skipped when it decodes) and the thinking tags (its reasoning parser strips them)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    texts = {token.content for token in added.values() if getattr(token, "special", False)}
+    texts |= {*tokenizer.all_special_tokens, THINK_OPEN, THINK_CLOSE}
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def _without(text: str, specials: list[str]) -> str:
+    for special in specials:
+        text = text.replace(special, "")
+    return _flat(text)
+
+
+def _trains(text: str, trained: str, specials: list[str]) -> bool:
+    """Whether ``text`` (a reply's answer or thought, as the server decoded it) is in the
+    decoded trained ids: as it is, or both without what servers leave out, which they do not
+    all do alike (vLLM drops the ``</think>`` a sampled model wrote twice from the answer, and
+    a ``<think>`` in mid-thought, but keeps a stray ``<|end_header_id|>`` in the reasoning)."""
+    return _flat(text) in _flat(trained) or _without(text, specials) in _without(trained, specials)
+
+
 def trained_problems(tokenizer: Any, built: Built, thinking: str, stop_ids: Collection[int], finished: bool = True) -> list[str]:
     """What is wrong with the sample's loss mask; empty when it trains what the target wrote."""
     problems: list[str] = []
     covered: set[int] = set()
+    specials = _droppable_texts(tokenizer)
     for n, reply in enumerate(built.replies, 1):
         span = range(reply.start, reply.start + reply.length)
         covered.update(span)
         trained = [built.ids[i] for i in span if built.mask[i]]
-        text = _flat(tokenizer.decode(trained))
-        if _flat(reply.answer) not in text:
+        decoded = tokenizer.decode(trained)
+
+        def trains(text: str, decoded: str = decoded) -> bool:
+            return _trains(text, decoded, specials)
+
+        if not trains(reply.answer):
             problems.append(f"reply {n}: its answer is not trained as written")
-        if reply.thought and thinking == "keep" and _flat(reply.thought) not in text:
+        if reply.thought and thinking == "keep" and not trains(reply.thought):
             problems.append(f"reply {n}: its thinking is not trained (thinking = keep)")
-        if reply.thought and thinking != "keep" and _flat(reply.thought) in text:
+        if reply.thought and thinking != "keep" and trains(reply.thought):
             problems.append(f"reply {n}: its thinking is trained (thinking = {thinking})")
         ended = bool(trained) and trained[-1] in stop_ids
         last = n == len(built.replies)
