@@ -184,6 +184,8 @@ def server_metrics(url: str, values: dict[str, float], previous: _Previous | Non
             _Previous(now, gen_total) if gen_total is not None else None,
         )
     if any(k.startswith("vllm:") for k in values):
+        # eagleops' own model server (the demo's) speaks vLLM's names and says it is not vLLM
+        software = "eagleops" if "eagleops_server:info" in values else "vllm"
         gen_total = values.get("vllm:generation_tokens_total")
         rate = None
         if gen_total is not None and previous is not None and now > previous.at and gen_total >= previous.gen_total:
@@ -193,7 +195,7 @@ def server_metrics(url: str, values: dict[str, float], previous: _Previous | Non
         return (
             ServerMetrics(
                 url=url,
-                software="vllm",
+                software=software,
                 running=values.get("vllm:num_requests_running"),
                 waiting=values.get("vllm:num_requests_waiting"),
                 kv_usage=values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc")),
@@ -231,6 +233,8 @@ async def telemetry_loop(
     reading goes to ``on_reading`` under a key that a newer reading of the same thing replaces."""
     previous: dict[str, _Previous | None] = {}
     tick = 0
+    await asyncio.to_thread(read_host)  # psutil's CPU share is since the last call: the first one says 0%
+    await asyncio.sleep(min(interval_s, 0.25))
     while True:
         try:
             gpu = await asyncio.to_thread(gpu_reader.read)

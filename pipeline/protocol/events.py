@@ -186,7 +186,7 @@ class ServerMetrics(Event):
 
     kind: ClassVar[str] = "server"
     url: str
-    software: str = ""  # "sglang", "vllm" or "none"
+    software: str = ""  # "sglang", "vllm", "eagleops" (our model server) or "none"
     running: float | None = None
     waiting: float | None = None
     kv_usage: float | None = None

@@ -67,7 +67,8 @@ class ModelServer:
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.max_batch = max_batch
         self.jobs: queue.Queue[_Job] = queue.Queue()
-        self.running = 0
+        self.running = 0  # in the batch being generated
+        self.accepted = 0  # requests being served: queued, in a batch or being collected into one
         self.counters = {"prompt": 0, "generation": 0, "success": 0, "aborted": 0}
         self._worker = threading.Thread(target=self._work, name="generate", daemon=True)
         self._worker.start()
@@ -87,12 +88,14 @@ class ModelServer:
     async def metrics(self, request: web.Request) -> web.Response:
         lines = [
             f"vllm:num_requests_running {self.running}",
-            f"vllm:num_requests_waiting {self.jobs.qsize()}",
+            # every request not in the batch being generated waits, the batch being collected too
+            f"vllm:num_requests_waiting {max(0, self.accepted - self.running)}",
             "vllm:kv_cache_usage_perc 0.0",
             f"vllm:prompt_tokens_total {self.counters['prompt']}",
             f"vllm:generation_tokens_total {self.counters['generation']}",
             f"vllm:request_success_total {self.counters['success']}",
             f"eagleops_server:aborted_requests_total {self.counters['aborted']}",
+            "eagleops_server:info 1",  # the console names this server as ours, not as vLLM
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
@@ -122,7 +125,11 @@ class ModelServer:
         loop = asyncio.get_running_loop()
         job = _Job(ids, max_tokens, temperature, top_p, loop, loop.create_future())
         self.jobs.put(job)
-        result = await wait_unless_disconnected(request, asyncio.shield(job.future))
+        self.accepted += 1
+        try:
+            result = await wait_unless_disconnected(request, asyncio.shield(job.future))
+        finally:
+            self.accepted -= 1
         if result is None:
             job.cancelled.set()
             self.counters["aborted"] += 1
