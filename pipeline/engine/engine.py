@@ -35,6 +35,8 @@ from pipeline.protocol.events import (
     LogEvent,
     Pause,
     Resume,
+    RunPhase,
+    RunState,
     StageState,
     StageStatus,
 )
@@ -44,6 +46,8 @@ __all__ = ["STAGES", "Engine", "EngineError", "RunSummary"]
 
 STAGES = ALL_STAGES
 SNAPSHOT_LOG_LINES = 50
+EXIT_OK, EXIT_FAILED, EXIT_KILLED = 0, 1, 130
+EXIT_SHORTFALL = 3  # every stage finished, but a dataset's output is mostly failures, or empty
 
 
 class EngineError(RunError):
@@ -78,6 +82,16 @@ class RunSummary:
             and all(s in (StageStatus.DONE, StageStatus.PENDING, StageStatus.SKIPPED) for s in self.stages.values())
         )
 
+    @property
+    def exit_code(self) -> int:
+        """0 done, 1 a stage or dataset failed, 3 done but a dataset's output is empty or mostly
+        failures (``shortfalls``), 130 killed."""
+        if self.killed:
+            return EXIT_KILLED
+        if not self.ok:
+            return EXIT_FAILED
+        return EXIT_SHORTFALL if self.shortfalls() else EXIT_OK
+
 
 class Engine:
     def __init__(
@@ -102,6 +116,7 @@ class Engine:
         self.compute = ComputeStages(config, self, self.redact)
         self._killed = False
         self._lock_file: IO[str] | None = None
+        self.run_state = RunState(config.name, RunPhase.LIVE, time.time())
 
     @property
     def stage_results(self) -> dict[str, object]:
@@ -123,7 +138,7 @@ class Engine:
         return self.bus.subscribe()
 
     def snapshot(self) -> list[Event]:
-        events: list[Event] = list(self.stage_states.values())
+        events: list[Event] = [self.run_state, *self.stage_states.values()]
         events += [runner.progress() for runner in self.generate.runners.values()]
         events += self.endpoint_stats()
         events += self.latest_telemetry.values()
@@ -196,9 +211,16 @@ class Engine:
             where = exc.filename or self.config.output_dir
             raise EngineError(f"{where}: cannot open the output ({exc.strerror or exc})") from None
 
+    def _set_run_state(self, phase: RunPhase, exit_code: int | None = None) -> None:
+        ended = time.time() if phase == RunPhase.FINISHED else None
+        self.run_state = RunState(self.config.name, phase, self.run_state.started_at, exit_code, ended)
+        self.publish(self.run_state)
+
     async def run(self) -> RunSummary:
         if self._lock_file is None:
             await self.open()
+        self.run_state = RunState(self.config.name, RunPhase.STOPPING if self._killed else RunPhase.LIVE, time.time())
+        self.publish(self.run_state)
         # telemetry has connections of its own: /metrics must answer when generation holds them all
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4), trust_env=False) as scrapes:
             telemetry = asyncio.create_task(
@@ -217,7 +239,8 @@ class Engine:
         summary = RunSummary(datasets, self._killed, stages, self.config.max_failed_share)
         if summary.ok:
             for shortfall in summary.shortfalls():
-                self.log("error", f"{shortfall}; the run exits with code 3")
+                self.log("error", f"{shortfall}; the run exits with code {EXIT_SHORTFALL}")
+        self._set_run_state(RunPhase.FINISHED, summary.exit_code)
         self.bus.close()
         if self._lock_file is not None:
             self._lock_file.close()
@@ -241,5 +264,7 @@ class Engine:
         if self._killed:
             return
         self._killed = True
+        if self.run_state.phase == RunPhase.LIVE:
+            self._set_run_state(RunPhase.STOPPING)
         self.compute.kill()
         self.generate.kill()

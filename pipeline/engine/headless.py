@@ -14,21 +14,15 @@ from typing import TextIO
 
 from pipeline.config import RunConfig
 from pipeline.engine import Engine, RunSummary
+from pipeline.engine.engine import EXIT_FAILED, EXIT_KILLED, EXIT_OK, EXIT_SHORTFALL
 from pipeline.protocol.events import DatasetProgress, DatasetState, StageProgress
 from pipeline.protocol.report import STATUS_WIDTH, format_event, json_line, status_line, totals_line
 
-__all__ = ["exit_code", "run_headless", "install_kill_signals"]
-
-EXIT_OK, EXIT_FAILED, EXIT_KILLED = 0, 1, 130
-EXIT_SHORTFALL = 3  # every stage finished, but a dataset's output is mostly failures, or empty
+__all__ = ["EXIT_FAILED", "EXIT_KILLED", "EXIT_OK", "EXIT_SHORTFALL", "exit_code", "install_kill_signals", "run_headless"]
 
 
 def exit_code(summary: RunSummary) -> int:
-    if summary.killed:
-        return EXIT_KILLED
-    if not summary.ok:
-        return EXIT_FAILED
-    return EXIT_SHORTFALL if summary.shortfalls() else EXIT_OK
+    return summary.exit_code
 
 
 def install_kill_signals(engine: Engine) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from pipeline.config import DatasetConfig, format_tokens
 from pipeline.generate.client import ChatClient, Completion, PermanentFailure, RateMeter
 from pipeline.generate.conversation import assistant_turn, regenerate_all
-from pipeline.generate.digest import CURRENT_REQUEST
+from pipeline.generate.digest import CURRENT_REQUEST, FailureDigest
 from pipeline.generate.limits import InFlight, Limits
 from pipeline.generate.records import bad_line_record, failed_request_record, generated_record
 from pipeline.generate.sources import BadLine, Prompt, SourceReader, reply_points
@@ -44,6 +44,7 @@ class RunnerShared:
     cancel_over_budget: bool = False
     models: dict[str, str] = field(default_factory=dict)  # endpoint label -> model name
     client: ChatClient | None = None  # set when the stage runs
+    failures: FailureDigest | None = None  # permanent failures past each dataset's first few; set when the stage runs
 
     def chat(self) -> ChatClient:
         if self.client is None:
@@ -241,7 +242,8 @@ class DatasetRunner:
     def _request_failed(self, prompt: Prompt, reason: str, attempts: int | None) -> None:
         reason = self.shared.redact(reason).encode("utf-8", "backslashreplace").decode("utf-8")
         self.store.add_failure(prompt, failed_request_record(prompt, self.config.name, reason, attempts))
-        self._log("error", f"{self.config.path.name}:{prompt.line} ({prompt.prompt_id}): {reason}")
+        where = f"{self.config.path.name}:{prompt.line} ({prompt.prompt_id})"
+        (self.shared.failures or FailureDigest(self.shared.host.log)).failed(self.config.name, where, reason)
 
     def _record(self, prompt: Prompt, conversation: list[dict[str, Any]], completion: Completion, written: list[int]) -> dict[str, Any]:
         model = self.shared.models.get(completion.endpoint, "")
@@ -297,8 +299,8 @@ class DatasetRunner:
             if self.shared.cancel_over_budget and self.store.accepted.tokens >= tokens:
                 self.cancel_requests()
                 note += f"; cancelled {self.in_flight} in flight"
-            else:
-                note += f"; no new requests, {self.in_flight} in flight finish"
+            else:  # without room, what is done and in flight already fills the new budget
+                note += f"; no new requests: it finishes its {self.in_flight} in flight, then stops" if not self._room() else "; it goes on"
         self.shared.host.publish(self.progress())
         return f"budget {self.config.name}: {format_tokens(old)} -> {format_tokens(tokens)}{note}", restart
 

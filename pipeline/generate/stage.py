@@ -21,7 +21,7 @@ from pipeline.config import EndpointConfig, RunConfig, format_tokens
 from pipeline.errors import EagleOpsError
 from pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
 from pipeline.generate.detail import dataset_detail, failure_reasons
-from pipeline.generate.digest import RetryDigest
+from pipeline.generate.digest import FailureDigest, RetryDigest
 from pipeline.generate.endpoints import connection_limit
 from pipeline.generate.limits import Budget
 from pipeline.generate.runner import DatasetRunner, RunnerShared
@@ -165,12 +165,15 @@ class GenerateStage:
 
     async def _generate(self, session: aiohttp.ClientSession) -> None:
         digest = RetryDigest(self.host.log, self.config.retry_log_interval_s)
+        failures = self.shared.failures = FailureDigest(self.host.log, self.config.retry_log_interval_s)
         self._start_client(session, digest)
         self.host.set_stage(STAGE, StageStatus.RUNNING)
         helpers = [
             asyncio.create_task(coro, name=name)
-            for coro, name in ((self._flusher(), "flusher"), (self._ticker(), "ticker"), (digest.run(), "retry digest"))
-        ]
+            for coro, name in (
+                (self._flusher(), "flusher"), (self._ticker(), "ticker"), (digest.run(), "retry digest"), (failures.run(), "failure digest"),
+            )
+        ]  # fmt: skip
         try:
             for runner in self.runners.values():
                 runner.start(self._changed.set)

@@ -23,6 +23,8 @@ __all__ = [
     "Event",
     "GpuStats",
     "HostStats",
+    "RunPhase",
+    "RunState",
     "ServerMetrics",
     "StageMetrics",
     "StageProgress",
@@ -76,6 +78,12 @@ class StageStatus(StrEnum):
     DONE = "done"
     KILLED = "killed"
     FAILED = "failed"
+
+
+class RunPhase(StrEnum):
+    LIVE = "live"
+    STOPPING = "stopping"  # killed: in-flight work being cancelled, finished work kept
+    FINISHED = "finished"  # with its exit code
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,11 +229,27 @@ class StageMetrics(Event):
     at: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True, slots=True)
+class RunState(Event):
+    """The run as a whole: its name, since when it runs (wall clock), where it is, and once it has
+    finished the exit code the engine's process returns (0 done, 1 failed, 3 shortfall, 130 killed)."""
+
+    kind: ClassVar[str] = "run"
+    name: str
+    phase: RunPhase
+    started_at: float
+    exit_code: int | None = None
+    ended_at: float | None = None
+    at: float = field(default_factory=time.time)
+
+
 _EVENTS: dict[str, type[Event]] = {
     cls.kind: cls
-    for cls in (DatasetProgress, EndpointStats, StageState, LogEvent, GpuStats, HostStats, ServerMetrics, StageProgress, StageMetrics)
-}
-_ENUM_FIELDS = {"state": DatasetState, "status": StageStatus, "stopped_by": StopReason}
+    for cls in (
+        DatasetProgress, EndpointStats, StageState, LogEvent, GpuStats, HostStats, ServerMetrics, StageProgress, StageMetrics, RunState,
+    )
+}  # fmt: skip
+_ENUM_FIELDS = {"state": DatasetState, "status": StageStatus, "stopped_by": StopReason, "phase": RunPhase}
 
 
 def event_from_json(payload: dict[str, Any]) -> Event:

@@ -17,7 +17,11 @@ __all__ = [
     "format_event",
     "format_rate",
     "json_line",
+    "plot",
     "progress_bar",
+    "projected_cost",
+    "projected_spend",
+    "run_eta_s",
     "metrics_text",
     "sparkline",
     "stage_progress_line",
@@ -75,6 +79,33 @@ def sparkline(values: list[float], width: int, *, ceiling: float | None = None) 
     return "".join(_SPARK[min(len(_SPARK) - 1, int(v / top * (len(_SPARK) - 1) + 0.5))] for v in values)
 
 
+def _buckets(values: list[float], width: int) -> list[float]:
+    if len(values) <= width:
+        return values
+    step = len(values) / width
+    return [sum(b) / len(b) for b in (values[int(i * step) : max(int(i * step) + 1, int((i + 1) * step))] for i in range(width))]
+
+
+def plot(values: list[float], width: int, height: int) -> list[str]:
+    """``values`` (bucketed to ``width`` columns) as a bar plot ``height`` rows high, eighth-block
+    resolution, scaled between their minimum and maximum (a loss curve's shape, not its zero);
+    the top row first."""
+    if not values or width < 1 or height < 1:
+        return []
+    values = _buckets(values, width)
+    low, high = min(values), max(values)
+    span = high - low
+    levels = [height * 8 if span <= 0 else 1 + int((v - low) / span * (height * 8 - 1) + 0.5) for v in values]
+    rows = []
+    for row in range(height - 1, -1, -1):
+        line = ""
+        for level in levels:
+            filled = level - row * 8
+            line += "█" if filled >= 8 else (_SPARK[filled - 1] if filled > 0 else " ")
+        rows.append(line.rstrip())
+    return rows
+
+
 def format_bytes(n: float | None) -> str:
     if n is None:
         return "N/A"
@@ -84,11 +115,28 @@ def format_bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
+def projected_cost(p: DatasetProgress) -> float:
+    """What the dataset will have cost when it stops: spent so far, plus, while it still runs,
+    the tokens left to its budget at the price per token it has paid (0 for a free endpoint).
+    A stopped dataset costs nothing more."""
+    if p.state.terminal or not p.cost or not p.tokens:
+        return p.cost
+    return p.cost + p.cost / p.tokens * max(0, p.budget - p.tokens)
+
+
+def projected_spend(progress: list[DatasetProgress]) -> float:
+    """The run's spend when every dataset stops: each at its own price, never one average
+    price over free and paid datasets alike."""
+    return sum(projected_cost(p) for p in progress)
+
+
 def dataset_cells(p: DatasetProgress) -> dict[str, str]:
     """The columns of a dataset row, by name; the TUI and the status line both use these."""
     state = p.state.value
-    if p.state.value == "done" and p.overshoot:
-        state = "over budget"
+    if p.state.value == "done" and p.overshoot:  # the normal end: the budget reached, a little past it
+        state = f"done +{format_tokens(p.overshoot)}"
+    elif p.state.value == "running" and p.budget and p.tokens >= p.budget:  # it issues nothing more
+        state = "finishing"
     stopped = p.state.terminal  # a stopped dataset makes nothing: no rates, no ETA, nothing in flight
     return {
         "dataset": p.name,
@@ -106,8 +154,8 @@ def dataset_cells(p: DatasetProgress) -> dict[str, str]:
         "failures": str(p.failures + p.bad_lines),
         "truncated": str(p.truncated),
         "cost": f"${p.cost:.2f}" if p.cost else "",
-        # paid APIs: what the whole budget will cost at the price per token seen so far
-        "projected_cost": f"${p.cost / p.tokens * max(p.budget, p.tokens):.2f}" if p.cost and p.tokens else "",
+        # paid APIs: what it will have cost when it stops, at the price per token seen so far
+        "projected_cost": f"${projected_cost(p):.2f}" if p.cost else "",
     }
 
 
@@ -152,12 +200,17 @@ def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
     return line
 
 
-def _run_eta(progress: list[DatasetProgress]) -> str:
-    """Datasets run side by side: the run ends with the last of them (unknown while one is)."""
+def run_eta_s(progress: list[DatasetProgress]) -> float | None:
+    """Datasets run side by side: generation ends with the last of them (unknown while one is)."""
     live = [p for p in progress if not p.state.terminal]
     if not live or any(p.eta_s is None for p in live):
-        return "-"
-    return format_duration(max(p.eta_s or 0.0 for p in live))
+        return None
+    return max(p.eta_s or 0.0 for p in live)
+
+
+def _run_eta(progress: list[DatasetProgress]) -> str:
+    eta = run_eta_s(progress)
+    return "-" if eta is None else format_duration(eta)
 
 
 def totals_cells(progress: list[DatasetProgress]) -> dict[str, str]:
@@ -169,7 +222,7 @@ def totals_cells(progress: list[DatasetProgress]) -> dict[str, str]:
     cost = sum(p.cost for p in progress)
     return {
         "dataset": f"total ({len(progress)})",
-        "state": (f"${cost:.2f}/${cost / tokens * budget:.2f}" if tokens else f"${cost:.2f}") if cost else "",  # spent / at budget
+        "state": f"${cost:.2f}/${projected_spend(progress):.2f}" if cost else "",  # spent / when every dataset stops
         "tokens": f"{format_tokens(tokens)}/{format_tokens(budget)}",
         "bar": progress_bar(tokens / budget if budget else 0.0),
         "percent": f"{100 * tokens / budget:.1f}%" if budget else "-",
@@ -195,7 +248,7 @@ def totals_line(progress: list[DatasetProgress], width: int = STATUS_WIDTH) -> s
         f"{sum(p.samples for p in progress):,} smp  failed {sum(p.failures + p.bad_lines for p in progress)}  ETA {eta}"
     )
     if cost:
-        line += f"  spend ${cost:.2f}/${cost / tokens * budget:.2f}" if tokens else f"  spend ${cost:.2f}"
+        line += f"  spend ${cost:.2f}/${projected_spend(progress):.2f}"
     return _fit(line, width)
 
 

@@ -23,7 +23,7 @@ from pipeline.config import RunConfig
 from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext
 from pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
-from pipeline.training.features.cache import StallWatch, room_for_shard
+from pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
 from pipeline.training.features.shards import write_feature_shard
 from pipeline.training.modeling.layers import engine_layer_ids
 from pipeline.training.modeling.target import decoder_stack, load_target, require_target, target_shape
@@ -136,9 +136,11 @@ def extract_hf(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
             offsets, aux, final = _compute_shard(model, device, chunk, index, config, ctx, (done_tokens, prepared.tokens), rates)
             if pending is not None:
                 pending.result()
+                publish_cache(config, index, ctx)
             pending = writer.submit(write_feature_shard, out, name, chunk, offsets, aux, final, first, index)
         if pending is not None:
             pending.result()
+            publish_cache(config, index, ctx)
     finally:
         writer.shutdown(wait=True)
     index.metrics = extract_metrics(index, rates, device)

@@ -24,7 +24,7 @@ from pipeline.servers.vllm import complete_ids, launch_for, vllm_server
 from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext, serving
 from pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
-from pipeline.training.features.cache import StallWatch, room_for_shard
+from pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
 from pipeline.training.features.shards import write_feature_shard
 from pipeline.training.modeling.target import target_shape
 
@@ -111,6 +111,7 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
             rates.fresh_tokens += offsets[-1]
             write_feature_shard(out, name, chunk, offsets, aux, final, first, index)
             ctx.progress(index.tokens, prepared.tokens, "tokens")
+            publish_cache(config, index, ctx)
     index.metrics = extract_metrics(index, rates, torch.device("cpu"))
     index.metrics["backend"] = "vllm"
     index.complete = len(index.shards) * per >= len(samples)

@@ -33,6 +33,8 @@ from pipeline.training.artifacts import FeaturesIndex
 
 __all__ = [
     "ConsumedShards",
+    "cache_bytes",
+    "publish_cache",
     "forget_consumed",
     "live_bytes",
     "release_consumed",
@@ -90,6 +92,19 @@ def live_bytes(directory: Path, index: FeaturesIndex, consumed: ConsumedShards) 
     """Bytes of the shards written and not yet trained past."""
     gone = set(consumed.shards)
     return sum(shard.bytes for name, shard in index.shards.items() if name not in gone)
+
+
+def cache_bytes(config: Any, index: FeaturesIndex) -> int:
+    """The feature shards on disk now: under ``max_cache_gb``, those not yet trained past."""
+    if not config.extract.max_cache_gb:
+        return sum(shard.bytes for shard in index.shards.values())
+    return live_bytes(config.features_dir, index, ConsumedShards.read(config.features_dir, index.prepared))
+
+
+def publish_cache(config: Any, index: FeaturesIndex, ctx: Any) -> None:
+    """What the console shows beside extract's progress: the cache's bytes against its bound."""
+    bound = int(config.extract.max_cache_gb * 1e9) if config.extract.max_cache_gb else 0
+    ctx.metrics(cache_bytes=cache_bytes(config, index), cache_bound_bytes=bound, shards=len(index.shards))
 
 
 def release_consumed(directory: Path, samples_done: int, *, finished: bool = False) -> list[str]:

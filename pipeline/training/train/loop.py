@@ -132,6 +132,7 @@ class _Trainer:
         write_checkpoint(self.checkpoint_path, model_state, optimizer_state, self.scheduler.state_dict(), step=self.step,
                          history=self.history, capture=self.capture, drafter_config=self.drafter.config.to_dict(),
                          global_batch=self.global_batch)  # fmt: skip
+        self.ctx.metrics(checkpoint_step=self.step, checkpoint_at=time.time())  # the console's "last checkpoint"
         if self.cache_bound:  # only once the checkpoint is past them: a resume never needs them again
             self.released += len(release_consumed(self.config.features_dir, self.step * self.global_batch, finished=finished))
             if self.released and (finished or time.monotonic() - self.released_logged > 60):  # a line a minute, not one a shard
