@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from functools import partial
 from importlib import resources
 from pathlib import Path, PurePath
@@ -15,21 +16,22 @@ from textual import events
 from textual.app import App, ComposeResult, SystemCommand
 from textual.containers import Horizontal
 from textual.screen import Screen
-from textual.widgets import Footer, Header
+from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
 from pipeline.errors import UsageError
 from pipeline.protocol.control import ControlError
-from pipeline.protocol.events import Command, Kill, LogEvent, Pause, Resume, SetBudget, StageState
+from pipeline.protocol.events import Command, Kill, LogEvent, Pause, Resume, RunPhase, SetBudget, StageState, StageStatus
 from pipeline.protocol.report import detail_text, format_event
 
 from .keymap import APP_KEYS, bindings
 from .link import EngineLink
 from .logview import LEVELS, LogView
-from .panes import DatasetsTable, GpuPane, ServerPane, StagesPane
+from .panes import DatasetsTable, GpuPane, RunStatus, ServerPane, StagesPane, TrainingView
+from .panes.training import running_compute_stage
 from .screens import BudgetScreen, ConfirmScreen, DetailScreen, HelpScreen, SearchScreen
 from .state import ConsoleState
-from .terminal import ascii_only
+from .terminal import TerminalWatch, ascii_only
 
 __all__ = ["EagleOpsApp", "THEMES"]
 
@@ -44,6 +46,17 @@ def theme_css(theme: str) -> list[str | PurePath]:
     # disk (pip unpacks wheels), which Textual wants as paths: it reads them and, in dev mode, watches them.
     themes = resources.files("console.themes")
     return [Path(str(themes / "base.tcss")), Path(str(themes / f"{theme}.tcss"))]
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
+def _end_on_signal(watch: TerminalWatch, code: int, signum: int, frame: object) -> None:
+    watch.end(code)
 
 
 def _describe(command: Command) -> str:
@@ -62,25 +75,27 @@ class EagleOpsApp(App[int]):
         refresh_s: float = 1.0,
         command_timeout_s: float = COMMAND_TIMEOUT_S,
         ascii: bool | None = None,
+        clock: Callable[[], float] = time.time,
     ):
         super().__init__(css_path=theme_css(theme))
         self.ascii = ascii_only() if ascii is None else ascii  # boxes, bars and marks in ASCII
         self.link = link
         self.theme_name = theme
         self.refresh_s = refresh_s
+        self.clock = clock  # wall time for the elapsed time; tests and snapshots fix it
         self.command_timeout_s = command_timeout_s
         self.state = ConsoleState()
         self._rendered_version = -1
         self.engine_finished = False
         self._leaving = False
-        if self.ascii:  # the header joins title and subtitle with an em dash
-            self.title, self.sub_title = f"eagleops - {link.description}", ""
-        else:
-            self.sub_title = link.description
+        self._terminal_watch: TerminalWatch | None = None
+        self._laid_out_for = -1  # the number of datasets the layout was fitted to
+        self.sub_title = link.description  # the terminal's title; the status line names the run
 
     def compose(self) -> ComposeResult:
-        yield Header(show_clock=False, icon="*" if self.ascii else None)
+        yield RunStatus(self.clock, id="status")
         yield DatasetsTable(id="datasets")
+        yield TrainingView(self.clock, id="ml")
         with Horizontal(id="panes"):
             yield GpuPane(id="gpu")
             yield ServerPane(id="server")
@@ -92,23 +107,51 @@ class EagleOpsApp(App[int]):
         self.theme = THEMES[self.theme_name]
         if self.ascii:
             self.add_class("-ascii")
+            # the palette draws an emoji search icon and block borders; every action it offers is a key in help (?)
+            self.use_command_palette = False
         if os.environ.get("SSH_CONNECTION") or os.environ.get("SSH_TTY"):
             self.animation_level = "none"  # every animated frame is bytes over the link
-        loop = asyncio.get_running_loop()
-        for sig, code in ((signal.SIGHUP, 129), (signal.SIGTERM, 130)):  # terminal gone / asked to stop
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, self.leave, code)
+        if not self.is_headless:
+            self._watch_terminal(asyncio.get_running_loop())
         await self.link.start()
         self.run_worker(self._pump(), name="events", group="events")
         self.set_interval(self.refresh_s, self.refresh_panes)
         self.query_one(DatasetsTable).focus()
 
+    def _watch_terminal(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Leave when the terminal hangs up, vanishes without a hangup, or SIGTERM comes, even
+        while the event loop is blocked writing to a terminal that reads nothing."""
+        ttys = tuple(fd for fd in (0, 1) if _isatty(fd))
+
+        def leave_soon(code: int) -> None:
+            loop.call_soon_threadsafe(self.leave, code)
+
+        watch = self._terminal_watch = TerminalWatch(ttys, leave_soon)
+        for sig, code in ((signal.SIGHUP, 129), (signal.SIGTERM, 130)):  # terminal gone / asked to stop
+            # signal.signal, not loop.add_signal_handler: that one's handler waits for the loop
+            with contextlib.suppress(ValueError):  # not the main thread (an embedding program's)
+                signal.signal(sig, partial(_end_on_signal, watch, code))
+        if ttys:
+            watch.start()
+
     def on_resize(self, event: events.Resize) -> None:
-        """80x24 is the design size: the panes and the log give up rows before the table does."""
-        height = event.size.height
-        panes, log = (12, 10) if height >= 40 else (9, 8) if height >= 32 else (6, 6)
+        self._fit_layout()
+
+    def _fit_layout(self) -> None:
+        """80x24 is the design size. The table is as tall as its rows (a header, the totals and a
+        border each), up to what the panes and a few log lines leave; the log takes the rest.
+        While an ML stage shows, its view takes the table's room and the log keeps a few lines."""
+        height = self.size.height
+        panes = 12 if height >= 40 else 9 if height >= 32 else 6
+        least_log = 8 if height >= 40 else 6
         self.query_one("#panes").styles.height = panes
-        self.query_one("#log").styles.height = log
+        room = max(5, height - 2 - panes - least_log)  # less the status line and the footer
+        table, log = self.query_one(DatasetsTable), self.query_one("#log")
+        if self.query_one(TrainingView).display:
+            log.styles.height = least_log
+            return
+        table.styles.height = min(room, max(5, len(self.state.datasets) + 4))
+        log.styles.height = "1fr"
 
     async def _pump(self) -> None:
         try:
@@ -120,6 +163,8 @@ class EagleOpsApp(App[int]):
                     self.refresh_panes()  # first paint without waiting a tick
         except (ControlError, ConnectionError, OSError) as exc:
             self.write_log(f"lost the engine: {exc}", "error")
+        if self.state.run is None or self.state.run.phase != RunPhase.FINISHED:
+            self.state.lose_engine(self.clock())
         self.engine_finished = True
         self.refresh_panes()
         if self.link.attached:
@@ -131,17 +176,43 @@ class EagleOpsApp(App[int]):
         self.query_one(LogView).add(line, level, dataset)
 
     def refresh_panes(self) -> None:
+        status, ml = self.query_one(RunStatus), self.query_one(TrainingView)
         if self.state.version == self._rendered_version:
+            status.render_state(self.state)  # the elapsed time moves on
+            if ml.display:
+                ml.render_state(self.state)
             return
         self._rendered_version = self.state.version
         with self.batch_update():
-            self.query_one(DatasetsTable).show(self.state.datasets)
-            self.query_one(GpuPane).render_state(self.state)
+            if len(self.state.datasets) != self._laid_out_for:
+                self._laid_out_for = len(self.state.datasets)
+                self._fit_layout()
+            status.render_state(self.state)
+            self._show_ml_stages(running_compute_stage(self.state) is not None and not self.state.engine_gone)
+            if ml.display:
+                ml.render_state(self.state)
+            self.query_one(DatasetsTable).show(self.state.datasets, stale=self.state.engine_gone)
+            gpu = self.query_one(GpuPane)
+            gpu.display = not (self.state.gpu is not None and not self.state.gpu.gpus)  # no GPU: the server pane says the host
+            gpu.render_state(self.state)
             self.query_one(ServerPane).render_state(self.state)
             self.query_one(StagesPane).render_state(self.state)
 
+    def _show_ml_stages(self, show: bool) -> None:
+        """An ML stage runs: its live view takes the datasets table's place (they are all done)."""
+        table, ml = self.query_one(DatasetsTable), self.query_one(TrainingView)
+        if ml.display != show:
+            ml.display, table.display = show, not show
+            self._fit_layout()
+            if not show:
+                table.focus()
+
     # ---- commands ---------------------------------------------------------------------------
     def _selected(self) -> str | None:
+        """The dataset the cursor is on, or while an ML stage shows, that stage (the engine
+        takes a stage's name as a dataset's for pause, resume and kill)."""
+        if self.query_one(TrainingView).display and (stage := running_compute_stage(self.state)) is not None:
+            return stage
         name = self.query_one(DatasetsTable).selected
         if name is None:
             self.write_log("no dataset selected", "warning")
@@ -193,6 +264,10 @@ class EagleOpsApp(App[int]):
     def action_budget(self) -> None:
         name = self._selected()
         if name is None:
+            return
+        if name not in self.state.datasets:
+            self.write_log(f"{name} has no token budget: budgets are a dataset's", "warning")
+            self.bell()
             return
         current = self.state.datasets[name].budget
 
@@ -260,7 +335,9 @@ class EagleOpsApp(App[int]):
         if self.link.attached or self.engine_finished:
             self.leave()
             return
-        running = any(not d.state.terminal for d in self.state.datasets.values())
+        run = self.state.run
+        running = (run is not None and run.phase != RunPhase.FINISHED) or any(not d.state.terminal for d in self.state.datasets.values())
+        running = running or any(s.status in (StageStatus.RUNNING, StageStatus.PAUSED) for s in self.state.stages.values())
         if not running:
             self.leave()
             return
@@ -283,6 +360,8 @@ class EagleOpsApp(App[int]):
             self.run_worker(self._leave(code), name="leave", group="leave")
 
     async def _leave(self, code: int | None) -> None:
+        if self._terminal_watch is not None:
+            self._terminal_watch.stop()
         if self.link.attached:
             self.write_log("detaching; the run goes on")
         await self.link.stop()

@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
 
     attach = sub.add_parser("attach", help="open the console on a run started with --no-tui")
     attach.add_argument("socket", nargs="?", type=Path, help="its control socket (default: the one running)")
+    # the same --socket every other command takes, which the several-engines error names
+    attach.add_argument("--socket", dest="socket_option", type=Path, help=argparse.SUPPRESS)
     add_theme(attach)
 
     status = sub.add_parser("status", help="show a running engine's datasets")
@@ -108,7 +110,7 @@ def _socket(explicit: Path | None) -> Path:
         raise ControlError(f"no running eagleops engine found in {runtime_dir()} (start one with `eagleops run RUN.toml --no-tui`)")
     if len(live) > 1:
         names = "\n  ".join(str(p) for p in live)
-        raise ControlError(f"several engines are running; choose one with --socket:\n  {names}")
+        raise ControlError(f"several engines are running; choose one with --socket SOCKET:\n  {names}")
     return live[0]
 
 
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "attach":
             from console.session import attach_console
 
-            return asyncio.run(attach_console(_socket(args.socket), theme=args.theme, refresh_s=args.refresh))
+            return asyncio.run(attach_console(_socket(args.socket or args.socket_option), theme=args.theme, refresh_s=args.refresh))
         return asyncio.run(_remote(args))
     except EagleOpsError as exc:
         return _die(str(exc), exc.exit_code)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+import time
 from collections import deque
 from typing import NamedTuple
 
+from rich.highlighter import Highlighter
+from rich.text import Text
 from textual.widgets import Log
 
 __all__ = ["LEVELS", "LogView"]
@@ -12,6 +16,30 @@ __all__ = ["LEVELS", "LogView"]
 LEVELS = ("all", "warning", "error")  # what the level filter cycles through: at least this severe
 _RANK = {"debug": 0, "info": 1, "warning": 2, "error": 3}
 KEPT = 5000
+_STAMPED = re.compile(r"^\d\d:\d\d:\d\d (?P<level>[A-Z]+) *")
+_LEVEL_STYLE = {"ERROR": ("bold red", "red"), "WARNING": ("bold yellow", ""), "INFO": ("dim", ""), "DEBUG": ("dim", "dim")}
+
+
+class LevelHighlighter(Highlighter):
+    """Colour by severity: an error line red, its level word bold; a warning's level word
+    yellow; info quiet. The level is read from the line's own stamp (``HH:MM:SS LEVEL``)."""
+
+    def highlight(self, text: Text) -> None:
+        stamped = _STAMPED.match(text.plain)
+        if stamped is None:
+            return
+        word, line = _LEVEL_STYLE.get(stamped["level"], ("", ""))
+        if line:
+            text.stylize(line, stamped.end())
+        if word:
+            text.stylize(word, stamped.start("level"), stamped.end("level"))
+
+
+def stamped(line: str, level: str, at: float | None = None) -> str:
+    """The line as the log shows it: with the clock and the level in front, as the engine's are."""
+    if _STAMPED.match(line):
+        return line
+    return f"{time.strftime('%H:%M:%S', time.localtime(at))} {level.upper():<7} {line}"
 
 
 class _Entry(NamedTuple):
@@ -24,7 +52,8 @@ class LogView(Log):
     """Every line is kept (up to KEPT); a filter change repaints the matching ones."""
 
     def __init__(self, **kwargs):
-        super().__init__(max_lines=KEPT, auto_scroll=True, **kwargs)
+        super().__init__(max_lines=KEPT, auto_scroll=True, highlight=True, **kwargs)
+        self.highlighter = LevelHighlighter()
         self.entries: deque[_Entry] = deque(maxlen=KEPT)
         self.level = "all"
         self.dataset: str | None = None
@@ -39,10 +68,10 @@ class LogView(Log):
         return not self.search or self.search.lower() in entry.line.lower()
 
     def add(self, line: str, level: str = "info", dataset: str | None = None) -> None:
-        entry = _Entry(line, level, dataset)
+        entry = _Entry(stamped(line, level), level, dataset)
         self.entries.append(entry)
         if self._matches(entry):
-            self.write_line(line)
+            self.write_line(entry.line)
 
     def refilter(self, *, level: str | None = None, dataset: str | None | bool = False, search: str | None = None) -> None:
         """Change the filter (``dataset=None`` clears it; False leaves it) and show what matches."""

@@ -64,11 +64,12 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(yes)
 
 
-# 66: the inner width of #dialog in themes/base.tcss (72, less its border and padding)
+# 64: the inner width of #dialog in themes/base.tcss (72, less its border and padding), less the
+# 2 columns of the scrollbar the help shows at 80x24: at 66 every long line wrapped under the keys
 HELP = f"""\
 [b]eagleops console[/b]
 
-{help_markup(width=66)}
+{help_markup(width=64)}
 
 [b]Mouse[/b]: a click selects a dataset; the wheel scrolls the log.
 [b]Ctrl+P[/b]: the command palette, every action above by name.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from textual.widgets import Static
 from console.app import EagleOpsApp
 from console.keymap import KEYMAP, help_rows, markdown_table
 from console.link import SocketLink
-from console.panes import DatasetsTable, GpuPane, StagesPane
+from console.panes import DatasetsTable, GpuPane, ServerPane, StagesPane
 from console.screens import HELP, ConfirmScreen, DetailScreen, HelpScreen
 from console.session import LocalLink
 from pipeline.engine import Engine
@@ -36,6 +37,8 @@ from pipeline.protocol.events import (
     LogEvent,
     Pause,
     Resume,
+    RunPhase,
+    RunState,
     ServerMetrics,
     SetBudget,
     StageState,
@@ -47,6 +50,10 @@ from .conftest import make_config, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 AT = 1_780_000_000.0  # a fixed wall-clock time, so logged times are stable
+
+
+def _at() -> float:
+    return AT
 
 
 @pytest.fixture(autouse=True)
@@ -85,6 +92,7 @@ def fixed_events(gpu: GpuStats | None = None) -> list:
     url = "http://127.0.0.1:30000/v1"
     gib = 2**30
     return [
+        RunState("llama-drafter", RunPhase.LIVE, AT - 754.0, at=AT),
         StageState("generate", StageStatus.RUNNING, at=AT),
         *[StageState(s, StageStatus.PENDING, at=AT) for s in ("prepare", "extract", "train", "export")],
         *_datasets(),
@@ -160,7 +168,8 @@ async def _settle(pilot) -> None:
 
 
 def _log_lines(app) -> list[str]:
-    return [str(line) for line in app.query_one("#log").lines]
+    """The log's lines without the clock and level every line now starts with."""
+    return [re.sub(r"^\d\d:\d\d:\d\d [A-Z]+ +", "", str(line)) for line in app.query_one("#log").lines]
 
 
 async def _until(pilot, condition, tries: int = 200) -> None:
@@ -302,8 +311,10 @@ async def test_no_gpu_is_a_state_not_a_crash():
     app = EagleOpsApp(link)
     async with app.run_test(size=(160, 45)) as pilot:
         await _settle(pilot)
-        assert "no NVIDIA GPU" in str(app.query_one(GpuPane).render())
-        assert "host cpu 12%" in str(app.query_one(GpuPane).render())
+        # no GPU pane to take a quarter of the width for one line: the host in a line of the server pane
+        assert not app.query_one(GpuPane).display
+        server = str(app.query_one(ServerPane).render())
+        assert "host: no NVIDIA GPU (NVMLError_LibraryNotFound), cpu 12%, ram 40.0 GiB/256.0 GiB" in server
 
 
 def test_nvml_reader_without_a_driver_reports_no_gpu():
@@ -360,14 +371,14 @@ def test_main_screen_snapshot(snap_compare):
     async def before(pilot):
         await _settle(pilot)
 
-    assert snap_compare(EagleOpsApp(ScriptedLink(fixed_events())), terminal_size=(160, 45), run_before=before)
+    assert snap_compare(EagleOpsApp(ScriptedLink(fixed_events()), clock=_at), terminal_size=(160, 45), run_before=before)
 
 
 def test_light_theme_snapshot(snap_compare):
     async def before(pilot):
         await _settle(pilot)
 
-    assert snap_compare(EagleOpsApp(ScriptedLink(fixed_events()), theme="light"), terminal_size=(160, 45), run_before=before)
+    assert snap_compare(EagleOpsApp(ScriptedLink(fixed_events()), theme="light", clock=_at), terminal_size=(160, 45), run_before=before)
 
 
 async def test_local_console_drives_a_real_engine(tmp_path, fault_server):
@@ -619,12 +630,22 @@ async def test_the_newest_log_line_is_in_view_at_80x24():
         assert log.scroll_y >= log.max_scroll_y - 1  # at the bottom: the newest line shows
 
 
-@pytest.mark.parametrize("size", [(80, 24), (120, 40), (200, 60)])
-def test_snapshots_at_design_sizes(snap_compare, size):
+@pytest.mark.parametrize("look", ["dark", "light", "ascii"])
+@pytest.mark.parametrize("view", ["generate", "train"])
+@pytest.mark.parametrize("size", [(80, 24), (120, 40), (200, 60)], ids=["80x24", "120x40", "200x60"])
+def test_snapshots_at_design_sizes(snap_compare, monkeypatch, size, view, look):
+    """Generate's datasets and train's live view, at each design size, in each theme and ASCII."""
+    from .test_operator_view import _training_events
+
+    monkeypatch.setenv("EAGLEOPS_ASCII", "1" if look == "ascii" else "0")
+
     async def before(pilot):
         await _settle(pilot)
 
-    assert snap_compare(EagleOpsApp(ScriptedLink(_eight_datasets())), terminal_size=size, run_before=before)
+    events = _eight_datasets() if view == "generate" else [*_training_events(), HostStats(12.5, 40 * 2**30, 256 * 2**30, at=AT)]
+    theme = "light" if look == "light" else "dark"
+    app = EagleOpsApp(ScriptedLink(events), theme=theme, clock=lambda: _at() + 0.0)
+    assert snap_compare(app, terminal_size=size, run_before=before)
 
 
 def test_kill_confirmation_fits_at_80x24(snap_compare):
@@ -633,7 +654,7 @@ def test_kill_confirmation_fits_at_80x24(snap_compare):
         await pilot.press("K")
         await pilot.pause()
 
-    assert snap_compare(EagleOpsApp(ScriptedLink(_eight_datasets())), terminal_size=(80, 24), run_before=before)
+    assert snap_compare(EagleOpsApp(ScriptedLink(_eight_datasets()), clock=_at), terminal_size=(80, 24), run_before=before)
 
 
 @pytest.mark.parametrize(

@@ -51,8 +51,305 @@ async def test_the_first_host_cpu_reading_is_not_the_zero_of_a_first_call(monkey
         if isinstance(event, HostStats):
             readings.append(event)
 
-    task = asyncio.create_task(telemetry_loop(None, StaticGpuReader(GpuStats(gpus=(), error="no NVIDIA GPU")), list, on_reading, lambda *a: None, 0.05))  # type: ignore[arg-type]
+    task = asyncio.create_task(
+        telemetry_loop(None, StaticGpuReader(GpuStats(gpus=(), error="no NVIDIA GPU")), list, on_reading, lambda *a: None, 0.05)
+    )  # type: ignore[arg-type]
     while not readings:
         await asyncio.sleep(0.01)
     task.cancel()
     assert readings[0].cpu_percent == 37.0
+
+
+def _paid(name: str, state: str, tokens: int, budget: int, cost: float):
+    from pipeline.protocol.events import DatasetProgress, DatasetState
+
+    return DatasetProgress(name=name, state=DatasetState(state), tokens=tokens, budget=budget, samples=1, cost=cost)
+
+
+def test_projected_spend_prices_each_dataset_alone_and_only_what_is_to_come():
+    from pipeline.protocol.report import projected_spend, status_line, totals_cells, totals_line
+
+    # the one paid dataset has finished: nothing more to pay, however big the free ones' budgets
+    finished_paid = [_paid("paid", "done", 1000, 1000, 1.00), _paid("free", "running", 2_420, 1_000_000, 0.0)]
+    assert projected_spend(finished_paid) == 1.00
+    assert totals_cells(finished_paid)["state"] == "$1.00/$1.00"
+    assert "spend $1.00/$1.00" in totals_line(finished_paid)
+    # a paid dataset half way: twice what it has cost; a free one beside it adds nothing
+    half = [_paid("paid", "running", 500, 1000, 1.00), _paid("free", "running", 10, 10_000_000, 0.0)]
+    assert projected_spend(half) == 2.00
+    assert "spend $1.00/$2.00" in status_line(half[0])
+
+
+# ---- the run status line ------------------------------------------------------------------
+
+T0 = 1_780_000_000.0
+
+
+def _state(*events):
+    from console.state import ConsoleState
+
+    state = ConsoleState()
+    for event in events:
+        state.apply(event)
+    return state
+
+
+def _live_run(**kw):
+    from pipeline.protocol.events import DatasetProgress, DatasetState, RunPhase, RunState, StageState, StageStatus
+
+    return [
+        RunState("kimi-drafter", kw.pop("phase", RunPhase.LIVE), T0, kw.pop("exit_code", None), kw.pop("ended_at", None), at=T0),
+        StageState("generate", StageStatus.RUNNING, at=T0),
+        DatasetProgress("paid", DatasetState.RUNNING, 500, 1000, 10, tok_per_s=1200.0, eta_s=90.0, cost=1.0, at=T0),
+        DatasetProgress("free", DatasetState.RUNNING, 100, 1000, 10, tok_per_s=6000.0, eta_s=300.0, at=T0),
+    ]
+
+
+def test_the_status_line_says_run_state_elapsed_rate_eta_and_spend_in_80_columns():
+    from console.panes.status import run_status_text
+
+    text = run_status_text(_state(*_live_run()), 78, now=T0 + 754)
+    assert text.plain == "kimi-drafter  ● live  12m34s  7.2k tok/s  ETA 5m00s  spend $1.00/$2.00", text.plain
+    assert "7.2k tok/s" in text.plain and "ETA 5m00s" in text.plain and "$1.00/$2.00" in text.plain
+    assert len(text.plain) <= 78
+    assert run_status_text(_state(*_live_run()), 78, now=T0 + 754, ascii=True).plain.isascii()
+    narrow = run_status_text(_state(*_live_run()), 40, now=T0 + 754).plain
+    assert narrow.startswith("kimi-drafter  ● live  spend $1.00/$2.00") and len(narrow) <= 40
+
+
+def test_the_status_line_says_how_the_run_ended_and_clears_what_is_no_longer_live():
+    from console.panes.status import run_state_word, run_status_text
+    from pipeline.protocol.events import RunPhase
+
+    for code, word, colour in (
+        (0, "done", "green"),
+        (1, "failed (exit 1)", "red"),
+        (3, "done, output short (exit 3)", "red"),
+        (130, "killed", "yellow"),
+    ):
+        state = _state(*_live_run(phase=RunPhase.FINISHED, exit_code=code, ended_at=T0 + 60))
+        said, style = run_state_word(state)
+        assert said.startswith(word) and colour in style
+        text = run_status_text(state, 120, now=T0 + 3600).plain
+        assert "1m00s" in text and "tok/s" not in text and "ETA" not in text  # the elapsed time stops with the run
+    gone = _state(*_live_run())
+    gone.lose_engine(T0 + 30)
+    text = run_status_text(gone, 120, now=T0 + 600).plain
+    assert "engine gone, figures stale" in text and "tok/s" not in text and "30s" in text
+
+
+def test_failures_per_minute_come_from_the_counts_over_the_last_minute():
+    from pipeline.protocol.events import DatasetProgress, DatasetState
+
+    state = _state(*[DatasetProgress("a", DatasetState.RUNNING, 1, 10, 1, failures=n, at=T0 + t) for t, n in ((0, 5), (30, 15), (60, 35))])
+    assert state.failures_per_minute(T0 + 60) == 30.0  # 30 new in the minute; the 5 it came with are old
+    assert state.failures_per_minute(T0 + 200) == 0.0  # nothing new in the last minute
+    # a dataset seen for the first time brings its failures so far: not a burst
+    state.apply(DatasetProgress("b", DatasetState.RUNNING, 1, 10, 1, failures=1208, at=T0 + 201))
+    assert state.failures_per_minute(T0 + 202) == 0.0
+
+
+def test_a_finished_dataset_is_done_with_its_overshoot_and_a_lowered_budget_finishing():
+    from pipeline.protocol.events import DatasetProgress, DatasetState
+    from pipeline.protocol.report import dataset_cells
+
+    assert dataset_cells(DatasetProgress("a", DatasetState.DONE, 10_012, 10_000, 5))["state"] == "done +12"
+    assert dataset_cells(DatasetProgress("a", DatasetState.DONE, 10_000, 10_000, 5))["state"] == "done"
+    assert dataset_cells(DatasetProgress("a", DatasetState.RUNNING, 9_000, 5_000, 5, in_flight=3))["state"] == "finishing"
+
+
+def test_failure_counts_are_coloured_by_their_share_of_the_rows():
+    from console.panes.datasets import failure_level
+    from pipeline.protocol.events import DatasetProgress, DatasetState
+
+    assert failure_level(DatasetProgress("a", DatasetState.RUNNING, 1, 10, 1000, failures=1)) == ""
+    assert failure_level(DatasetProgress("a", DatasetState.RUNNING, 1, 10, 1000, failures=20)) == "warn"
+    assert failure_level(DatasetProgress("a", DatasetState.RUNNING, 1, 10, 10, failures=1208)) == "alarm"
+
+
+def test_log_lines_are_coloured_by_level():
+    from rich.text import Text
+
+    from console.logview import LevelHighlighter, stamped
+
+    error, warning = Text("12:00:01 ERROR   a.jsonl:3 (p3): HTTP 400"), Text("12:00:01 WARNING 3 retries in 5s")
+    LevelHighlighter().highlight(error)
+    LevelHighlighter().highlight(warning)
+    assert any("red" in str(span.style) for span in error.spans) and any("yellow" in str(span.style) for span in warning.spans)
+    assert stamped("lost the engine", "error", at=T0).endswith(" ERROR   lost the engine")
+
+
+def test_permanent_failures_past_a_datasets_first_few_are_grouped():
+    from pipeline.generate.digest import FailureDigest
+
+    lines = []
+    digest = FailureDigest(lambda level, message, dataset: lines.append((level, message, dataset)), interval_s=5)
+    alone = [digest.should_log_alone("B1") for _ in range(5)]
+    assert alone == [True, True, True, False, False] and digest.should_log_alone("B2")
+    for i in range(40):
+        digest.note_failure("B1", f"a.jsonl:{i}", "HTTP 400: bad request")
+    digest.flush()
+    assert lines == [("error", "40 more permanent failures in 5s (B1 40): HTTP 400 x40; e.g. a.jsonl:0, a.jsonl:1, a.jsonl:2", "B1")]
+
+
+def test_attach_takes_the_socket_option_the_several_engines_error_names():
+    from console.cli import _parser
+
+    args = _parser().parse_args(["attach", "--socket", "/run/x.sock"])
+    assert str(args.socket or args.socket_option) == "/run/x.sock"
+
+
+# ---- the console app ------------------------------------------------------------------------
+
+
+async def test_when_the_engine_goes_without_a_last_word_nothing_looks_live():
+    from console.app import EagleOpsApp
+    from console.panes import DatasetsTable, RunStatus
+
+    from .test_console import ScriptedLink, _at, _settle, fixed_events
+
+    link = ScriptedLink(fixed_events())
+    link.queue.put_nowait(None)  # the stream ends: no RunState finished came
+    app = EagleOpsApp(link, clock=_at)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _settle(pilot)
+        table = app.query_one(DatasetsTable)
+        assert table.cell("B2", "state") == "stale" and table.cell("B2", "tok_s") == "-"
+        assert table.cell("B1", "state").startswith("done")  # what had finished stays as it was
+        assert "engine gone, figures stale" in app.query_one(RunStatus).render().plain
+
+
+async def test_q_asks_before_stopping_an_in_process_run_in_its_ml_stages():
+    from console.app import EagleOpsApp
+    from console.screens import ConfirmScreen
+    from pipeline.protocol.events import DatasetProgress, DatasetState, RunPhase, RunState, StageState, StageStatus
+
+    from .test_console import ScriptedLink, _at, _settle
+
+    link = ScriptedLink(
+        [
+            RunState("demo", RunPhase.LIVE, T0, at=T0),
+            StageState("generate", StageStatus.DONE, at=T0),
+            StageState("train", StageStatus.RUNNING, at=T0),
+            DatasetProgress("B1", DatasetState.DONE, 1000, 1000, 10, at=T0),
+        ]
+    )
+    link.attached = False  # the engine runs in the console's own process: q would stop it
+    app = EagleOpsApp(link, clock=_at)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        await pilot.press("q")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmScreen) and app.is_running
+        await pilot.press("escape")
+
+
+async def test_dialogs_are_ascii_on_an_ascii_terminal_and_centred(monkeypatch):
+    from console.app import EagleOpsApp
+
+    from .test_console import ScriptedLink, _at, _eight_datasets, _settle
+
+    monkeypatch.setenv("EAGLEOPS_ASCII", "1")
+    app = EagleOpsApp(ScriptedLink(_eight_datasets()), clock=_at)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        for key, close in (("b", "escape"), ("slash", "escape")):
+            await pilot.press(key)
+            await pilot.pause()
+            dialog = app.screen.query_one("#dialog")
+            svg = app.export_screenshot()
+            glyphs = sorted({c for c in svg if not c.isascii()})
+            assert not glyphs, (key, glyphs)
+            left, right = dialog.region.x, 80 - dialog.region.right
+            assert abs(left - right) <= 1, (key, dialog.region)  # centred, not drawn top-left
+            await pilot.press(close)
+            await pilot.pause()
+        await pilot.press("ctrl+p")  # the palette draws an emoji and block borders: off here
+        await pilot.pause()
+        assert not any(type(s).__name__ == "CommandPalette" for s in app.screen_stack)
+
+
+async def test_help_at_80x24_wraps_each_line_under_its_own_column():
+    from console.app import EagleOpsApp
+    from console.screens import HelpScreen
+
+    from .test_console import ScriptedLink, _at, _settle, fixed_events
+
+    app = EagleOpsApp(ScriptedLink(fixed_events()), clock=_at)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        static = app.screen.query_one("#dialog Static")
+        lines = static.render().plain.splitlines() if hasattr(static.render(), "plain") else str(static.render()).splitlines()
+        assert max(len(line) for line in lines) <= static.content_region.width, static.content_region
+
+
+def _training_events():
+    from pipeline.protocol.events import (
+        DatasetProgress,
+        DatasetState,
+        GpuStats,
+        RunPhase,
+        RunState,
+        StageMetrics,
+        StageProgress,
+        StageState,
+        StageStatus,
+    )
+
+    gib = 2**30
+    events = [
+        RunState("kimi-drafter", RunPhase.LIVE, T0 - 7200, at=T0),
+        StageState("generate", StageStatus.DONE, at=T0),
+        StageState("prepare", StageStatus.DONE, at=T0),
+        StageState("extract", StageStatus.DONE, at=T0),
+        StageState("train", StageStatus.RUNNING, at=T0),
+        StageState("export", StageStatus.PENDING, at=T0),
+        StageState("eval", StageStatus.PENDING, at=T0),
+        DatasetProgress("B1", DatasetState.DONE, 1000, 1000, 10, at=T0),
+        GpuStats(((0, "NVIDIA H200", 97.0, 120 * gib, 141 * gib, 64.0, 610.0),), at=T0),
+        StageMetrics("extract", {"cache_bytes": 12 * gib, "cache_bound_bytes": 100 * 10**9, "shards": 45}, at=T0),
+    ]
+    for step in range(1, 41):
+        loss = 6.0 / (1 + step / 5)
+        acc = [round(0.7 - 0.4 / step - 0.08 * k, 3) for k in range(7)]
+        events.append(
+            StageMetrics("train", {"step": step, "epoch": 0, "loss": loss, "lr": 3e-4, "acc": acc, "tokens_per_s": 12_300.0}, at=T0)
+        )
+    events.append(StageMetrics("train", {"checkpoint_step": 40, "checkpoint_at": T0 - 95}, at=T0))
+    events.append(StageProgress("train", 40, 70, "steps", rate=0.4, eta_s=75.0, at=T0))
+    return events
+
+
+def test_the_ml_view_shows_trains_loss_accuracy_rate_checkpoint_and_memory():
+    from console.panes.training import training_lines
+
+    lines = training_lines(_state(*_training_events()), 76, 14, now=T0)
+    text = "\\n".join(lines)
+    assert lines[0].startswith("train ") and "40/70 steps" in lines[0] and "ETA 1m15s" in lines[0]
+    assert "feature cache 12.0 GiB of 93.1 GiB (max_cache_gb)" in text and "GPU0 120.0 GiB/141.0 GiB" in text
+    assert "loss 0.667" in text and "12.3k tok/s" in text and "saved step 40 (1m35s ago)" in text
+    assert "accuracy by draft position  0.69 0.61" in text
+    assert any(set(line) <= set(" ▁▂▃▄▅▆▇█") and line for line in lines)  # the loss plot
+    assert len(lines) <= 14 and all(len(line) <= 76 for line in lines[1:])
+
+
+async def test_while_train_runs_its_view_takes_the_tables_place_and_p_pauses_it():
+    from console.app import EagleOpsApp
+    from console.panes import DatasetsTable, TrainingView
+
+    from .test_console import ScriptedLink, _at, _settle
+
+    link = ScriptedLink(_training_events())
+    app = EagleOpsApp(link, clock=_at)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        assert app.query_one(TrainingView).display and not app.query_one(DatasetsTable).display
+        await pilot.press("p")
+        await pilot.pause(0.1)
+        assert link.sent and link.sent[-1].dataset == "train"
+        await pilot.press("b")  # a stage has no budget: said, not a crash
+        await pilot.pause(0.1)
+        assert app.is_running

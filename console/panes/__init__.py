@@ -5,5 +5,7 @@ from .datasets import COLUMNS, DatasetsTable
 from .gpu import GpuPane
 from .server import ServerPane
 from .stages import StagesPane
+from .status import RunStatus
+from .training import TrainingView
 
-__all__ = ["COLUMNS", "DatasetsTable", "GpuPane", "ServerPane", "StagesPane"]
+__all__ = ["COLUMNS", "DatasetsTable", "GpuPane", "RunStatus", "ServerPane", "StagesPane", "TrainingView"]

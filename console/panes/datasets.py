@@ -49,14 +49,32 @@ _RIGHT = {"tokens", "percent", "samples", "avg", "req_s", "tok_s", "reasoning", 
 _CURSOR = Style(reverse=True, bold=True)
 
 _STATE_STYLE = {
-    "running": "bold green",
+    "running": "green",  # the normal state: quiet, so that trouble stands out
     "paused": "bold yellow",
     "done": "green",
-    "over budget": "green",  # the budget reached, a little past it: the normal, successful end
     "killed": "bold red",
     "failed": "bold red",
     "queued": "dim",
+    "stale": "dim",
+    "finishing": "yellow",  # the budget reached (or lowered below what is done): what is in flight finishes
 }
+
+
+# a dataset's failed rows as a share of the rows it finished: a note, then a warning, then trouble
+FAILURE_SHARE_WARN, FAILURE_SHARE_ALARM = 0.01, 0.10
+
+
+def failure_level(p: DatasetProgress) -> str:
+    failed = p.failures + p.bad_lines
+    share = failed / (failed + p.samples) if failed else 0.0
+    return "alarm" if share >= FAILURE_SHARE_ALARM else "warn" if share >= FAILURE_SHARE_WARN else ""
+
+
+_FAILURE_STYLE = {"alarm": "bold red", "warn": "yellow", "": ""}
+
+
+def _state_style(state: str) -> str:
+    return _STATE_STYLE.get(state.split(" ", 1)[0], "")
 
 
 def layout(widths: dict[str, int], available: int) -> list[tuple[str, str, int]]:
@@ -119,6 +137,7 @@ class DatasetsTable(Widget, can_focus=True):
         self._order = names
         if selected is not None and selected in names:
             self.cursor = names.index(selected)
+        self._retitle()
         self.refresh()
 
     @property
@@ -137,12 +156,21 @@ class DatasetsTable(Widget, can_focus=True):
         if self._cells:
             self.cursor = max(0, min(len(self._cells) - 1, self.cursor + step))
 
+    def _retitle(self) -> None:
+        """Datasets, how many of them are in view when not all are, and the sort order."""
+        total, rows = len(self._cells), self.visible_rows
+        shown = f" {self._top + 1}-{min(total, self._top + rows)} of {total}" if 0 < rows < total else f" ({total})" if total else ""
+        title = f"Datasets{shown}" + (f", by {self.sort}" if self.sort != SORTS[0] else "")
+        if title != self.border_title:
+            self.border_title = title
+
     def watch_cursor(self, cursor: int) -> None:
         rows = self.visible_rows
         if cursor < self._top:
             self._top = cursor
         elif cursor >= self._top + rows:
             self._top = cursor - rows + 1
+        self._retitle()
         self.refresh()
 
     def on_resize(self) -> None:
@@ -156,16 +184,22 @@ class DatasetsTable(Widget, can_focus=True):
         if offset.y >= 1 and 0 <= row < len(self._cells) and offset.y < self.size.height - 1:
             self.cursor = row
 
-    def show(self, datasets: dict[str, DatasetProgress]) -> None:
+    def show(self, datasets: dict[str, DatasetProgress], *, stale: bool = False) -> None:
+        """``stale``: the engine went without a last word; a dataset it left running shows no
+        rates, ETA or requests in flight, only what it had done."""
         changed = False
         for name, progress in datasets.items():
             self._progress[name] = progress
-            cells = dataset_cells(progress)
+            cells = dataset_cells(progress) | {"failure_level": failure_level(progress)}
+            if stale and not progress.state.terminal:
+                cells |= {"state": "stale", "req_s": "-", "tok_s": "-", "eta": "-", "in_flight": "-"}
             if self._cells.get(name) != cells:
                 self._cells[name] = cells
                 changed = True
         if changed:
             self._totals = totals_cells(list(datasets.values()))
+            if stale:
+                self._totals |= {"req_s": "-", "tok_s": "-", "eta": "-", "in_flight": "-"}
             for cells in (*self._cells.values(), self._totals):
                 for key, _, most in COLUMNS:
                     self._widths[key] = max(self._widths[key], min(most, len(cells.get(key, ""))))
@@ -197,10 +231,8 @@ class DatasetsTable(Widget, can_focus=True):
     def _row_values(self, cells: dict[str, str]) -> dict[str, Text]:
         if getattr(self.app, "ascii", False):
             cells = {k: to_ascii(v) for k, v in cells.items()}
-        return {
-            k: Text(cells.get(k, ""), style=_STATE_STYLE.get(cells.get(k, ""), "") if k == "state" else ("green" if k == "bar" else ""))
-            for k, _, _ in COLUMNS
-        }
+        styles = {"state": _state_style(cells.get("state", "")), "bar": "green", "failures": _FAILURE_STYLE[cells.get("failure_level", "")]}
+        return {k: Text(cells.get(k, ""), style=styles.get(k, "")) for k, _, _ in COLUMNS}
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.protocol.report import format_rate, sparkline
+from pipeline.protocol.report import format_bytes, format_rate, sparkline
 
 from ..state import ConsoleState
 from .text import TextPane
@@ -16,6 +16,11 @@ class ServerPane(TextPane):
 
     def render_state(self, state: ConsoleState, width: int = 40) -> None:
         lines = []
+        if state.gpu is not None and not state.gpu.gpus and state.host is not None:  # no GPU pane: the host in one line here
+            host = state.host
+            lines.append(
+                f"host: {state.gpu.error or 'no NVIDIA GPU'}, cpu {host.cpu_percent:.0f}%, ram {format_bytes(host.mem_used)}/{format_bytes(host.mem_total)}"
+            )
         for url, ep in state.endpoints.items():
             p50 = "-" if ep.latency_p50_s is None else f"{ep.latency_p50_s:.2f}s"
             p95 = "-" if ep.latency_p95_s is None else f"{ep.latency_p95_s:.2f}s"
