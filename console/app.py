@@ -193,7 +193,9 @@ class EagleOpsApp(App[int]):
                 ml.render_state(self.state)
             self.query_one(DatasetsTable).show(self.state.datasets, stale=self.state.engine_gone)
             gpu = self.query_one(GpuPane)
-            gpu.display = not (self.state.gpu is not None and not self.state.gpu.gpus)  # no GPU: the server pane says the host
+            has_gpu = not (self.state.gpu is not None and not self.state.gpu.gpus)  # no GPU: the server pane says the host
+            if gpu.display != has_gpu:  # setting it at all lays the screen out again
+                gpu.display = has_gpu
             gpu.render_state(self.state)
             self.query_one(ServerPane).render_state(self.state)
             self.query_one(StagesPane).render_state(self.state)

@@ -6,6 +6,7 @@ from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual.events import Click
+from textual.geometry import Region
 from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
@@ -129,7 +130,7 @@ class DatasetsTable(Widget, can_focus=True):
         self._reorder()
         return self.sort
 
-    def _reorder(self) -> None:
+    def _reorder(self, *, repaint: bool = True) -> None:
         selected = self.selected
         names = list(self._cells)
         if self.sort != "source order":
@@ -138,7 +139,8 @@ class DatasetsTable(Widget, can_focus=True):
         if selected is not None and selected in names:
             self.cursor = names.index(selected)
         self._retitle()
-        self.refresh()
+        if repaint:
+            self.refresh()
 
     @property
     def selected(self) -> str | None:
@@ -186,8 +188,11 @@ class DatasetsTable(Widget, can_focus=True):
 
     def show(self, datasets: dict[str, DatasetProgress], *, stale: bool = False) -> None:
         """``stale``: the engine went without a last word; a dataset it left running shows no
-        rates, ETA or requests in flight, only what it had done."""
-        changed = False
+        rates, ETA or requests in flight, only what it had done. Repaints the rows that changed
+        (and the totals); the whole table only when the order, a column's width or the set of
+        datasets moved."""
+        changed: list[str] = []
+        known = len(self._cells)
         for name, progress in datasets.items():
             self._progress[name] = progress
             cells = dataset_cells(progress) | {"failure_level": failure_level(progress)}
@@ -195,15 +200,24 @@ class DatasetsTable(Widget, can_focus=True):
                 cells |= {"state": "stale", "req_s": "-", "tok_s": "-", "eta": "-", "in_flight": "-"}
             if self._cells.get(name) != cells:
                 self._cells[name] = cells
-                changed = True
-        if changed:
-            self._totals = totals_cells(list(datasets.values()))
-            if stale:
-                self._totals |= {"req_s": "-", "tok_s": "-", "eta": "-", "in_flight": "-"}
-            for cells in (*self._cells.values(), self._totals):
-                for key, _, most in COLUMNS:
-                    self._widths[key] = max(self._widths[key], min(most, len(cells.get(key, ""))))
-            self._reorder()
+                changed.append(name)
+        if not changed:
+            return
+        self._totals = totals_cells(list(datasets.values()))
+        if stale:
+            self._totals |= {"req_s": "-", "tok_s": "-", "eta": "-", "in_flight": "-"}
+        widths = dict(self._widths)
+        for cells in (*self._cells.values(), self._totals):
+            for key, _, most in COLUMNS:
+                self._widths[key] = max(self._widths[key], min(most, len(cells.get(key, ""))))
+        order = list(self._order)
+        self._reorder(repaint=False)
+        if widths != self._widths or order != self._order or known != len(self._cells) or not self.size.width:
+            self.refresh()
+            return
+        rows = [self._order.index(name) - self._top + 1 for name in changed]  # +1: the header line
+        lines = [y for y in rows if 1 <= y < self.size.height - 1] + [self.size.height - 1]  # and the totals
+        self.refresh(*(Region(0, y, self.size.width, 1) for y in lines))
 
     # ---- painting -------------------------------------------------------------------------
     def _columns(self) -> list[tuple[str, str, int]]:

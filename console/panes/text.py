@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.text import Text
+from textual.geometry import Region
 from textual.widget import Widget
 
 from ..terminal import to_ascii
@@ -25,8 +26,17 @@ class TextPane(Widget):
         return Text(self._text, no_wrap=True, overflow="ellipsis")
 
     def show_text(self, text: str) -> None:
+        """Repaint the lines that changed, not the pane: over SSH every cell written is bytes,
+        and the border and unchanged lines were half of what the console wrote."""
         if getattr(self.app, "ascii", False):
             text = to_ascii(text)
-        if text != self._text:
-            self._text = text
+        if text == self._text:
+            return
+        old, new = self._text.split("\n"), text.split("\n")
+        self._text = text
+        width = self.content_region.width
+        if not width:
             self.refresh()
+            return
+        changed = [y for y in range(max(len(old), len(new))) if y >= len(old) or y >= len(new) or old[y] != new[y]]
+        self.refresh(*(Region(0, y, width, 1) for y in changed))
