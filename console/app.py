@@ -21,7 +21,7 @@ from textual.worker import Worker, WorkerState
 
 from pipeline.errors import UsageError
 from pipeline.protocol.control import ControlError
-from pipeline.protocol.events import Command, Kill, LogEvent, Pause, Resume, RunPhase, SetBudget, StageState, StageStatus
+from pipeline.protocol.events import Command, DatasetProgress, Kill, LogEvent, Pause, Resume, RunPhase, SetBudget, StageState, StageStatus
 from pipeline.protocol.report import detail_text, format_event
 
 from .keymap import APP_KEYS, bindings
@@ -29,7 +29,7 @@ from .link import EngineLink
 from .logview import LEVELS, LogView
 from .panes import DatasetsTable, GpuPane, RunStatus, ServerPane, StagesPane, TrainingView
 from .panes.training import running_compute_stage
-from .screens import BudgetScreen, ConfirmScreen, DetailScreen, HelpScreen, SearchScreen
+from .screens import BudgetScreen, ConfirmScreen, DetailScreen, HelpScreen, LogScreen, SearchScreen
 from .state import ConsoleState
 from .terminal import TerminalWatch, ascii_only
 
@@ -156,7 +156,14 @@ class EagleOpsApp(App[int]):
     async def _pump(self) -> None:
         try:
             async for event in self.link.events():
+                before = self.state.datasets.get(event.name) if isinstance(event, DatasetProgress) else None
                 self.state.apply(event)
+                if (
+                    isinstance(event, DatasetProgress)
+                    and before is not None
+                    and (before.state, before.budget) != (event.state, event.budget)
+                ):
+                    self.refresh_panes()  # a command's effect on its row: now, not at the next tick
                 if isinstance(event, LogEvent):
                     self.write_log(format_event(event) or event.message, event.level, event.dataset)
                 elif isinstance(event, StageState) and not self.state.datasets:
@@ -325,6 +332,10 @@ class EagleOpsApp(App[int]):
     def action_log_search(self) -> None:
         log = self.query_one(LogView)
         self.push_screen(SearchScreen(log.search), lambda text: log.refilter(search=text) if text is not None else None)
+
+    def action_log_open(self) -> None:
+        log = self.query_one(LogView)
+        self.push_screen(LogScreen(log.shown_lines(), str(log.border_title)))
 
     def action_log_page(self, pages: int) -> None:
         log = self.query_one(LogView)

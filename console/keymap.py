@@ -47,18 +47,19 @@ DATASET_KEYS = (
 )
 
 APP_KEYS = (
-    Key("p", "pause", "Pause", "pause the selected dataset (in-flight requests finish)"),
+    Key("p", "pause", "Pause", "pause the selected dataset (in-flight requests finish), or the ML stage on screen"),
     Key("P", "pause_all", "Pause all", "pause every dataset", in_footer=False),
-    Key("r", "resume", "Resume", "resume the selected dataset (a killed one restarts)"),
+    Key("r", "resume", "Resume", "resume the selected dataset (a killed one restarts), or the ML stage on screen"),
     Key("R", "resume_all", "Resume all", "resume every dataset", in_footer=False),
     Key("b", "budget", "Budget", "set the selected dataset's token budget, live (10M, 500k, 120000)"),
-    Key("k", "kill", "Kill", "kill the selected dataset (asks first)"),
+    Key("k", "kill", "Kill", "kill the selected dataset, or the ML stage on screen (asks first)"),
     Key("K", "kill_all", "Kill run", "kill the whole run (asks first)", in_footer=False),
     Key("enter", "detail", "Detail", "the selected dataset in detail: failures by reason, latency, endpoints, cuts"),
     Key("s", "sort", "Sort", "sort the datasets: source order, progress, tok/s, failures, state", in_footer=False),
     Key("l", "log_level", "Log level", "the log: every line, warnings and worse, errors only", in_footer=False),
     Key("f", "log_dataset", "Log dataset", "the log: only the selected dataset's lines (again: all)", in_footer=False),
     Key("slash", "log_search", "Search", "the log: only lines containing a text", in_footer=False),
+    Key("o", "log_open", "Open log", "the log's lines whole, wrapped, to read and scroll (the newest last)", in_footer=False),
     Key("pageup", "log_page(-1)", "Log up", "scroll the log (the mouse wheel does too)", in_footer=False),
     Key("pagedown", "log_page(1)", "Log down", "scroll the log (the mouse wheel does too)", in_footer=False),
     Key("question_mark", "help", "Help", "the help screen: every key and what it does"),

@@ -73,6 +73,10 @@ class LogView(Log):
         if self._matches(entry):
             self.write_line(entry.line)
 
+    def shown_lines(self) -> list[str]:
+        """Every kept line the filter shows, whole."""
+        return [e.line for e in self.entries if self._matches(e)]
+
     def refilter(self, *, level: str | None = None, dataset: str | None | bool = False, search: str | None = None) -> None:
         """Change the filter (``dataset=None`` clears it; False leaves it) and show what matches."""
         if level is not None:

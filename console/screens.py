@@ -125,3 +125,26 @@ class SearchScreen(ModalScreen[str | None]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+class LogScreen(ModalScreen[None]):
+    """The log's lines as the filter shows them, whole and wrapped, the newest in view: the
+    log pane cuts a long line at its edge."""
+
+    BINDINGS = [Binding("escape,q,o", "close", "Close")]
+
+    def __init__(self, lines: list[str], title: str):
+        super().__init__()
+        self.lines, self.title_text = lines, title
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="dialog"):
+            yield Label(f"[b]{escape(self.title_text)}[/b]: {len(self.lines)} lines, Esc closes")
+            text = "\n".join(self.lines) or "(nothing)"
+            yield Static(escape(to_ascii(text) if getattr(self.app, "ascii", False) else text))
+
+    def on_mount(self) -> None:
+        self.query_one("#dialog").scroll_end(animate=False)
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -353,3 +353,73 @@ async def test_while_train_runs_its_view_takes_the_tables_place_and_p_pauses_it(
         await pilot.press("b")  # a stage has no budget: said, not a crash
         await pilot.pause(0.1)
         assert app.is_running
+
+
+async def test_a_command_shows_on_its_row_at_once_not_at_the_next_tick():
+    from console.app import EagleOpsApp
+    from console.panes import DatasetsTable
+
+    from .test_console import ScriptedLink, _at, _settle, fixed_events
+
+    app = EagleOpsApp(ScriptedLink(fixed_events()), clock=_at, refresh_s=3600)  # no tick during the test
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _settle(pilot)
+        assert app.query_one(DatasetsTable).cell("B1", "state").startswith("done")
+        await pilot.press("down")  # B2, running
+        await pilot.press("p")
+        await pilot.pause(0.2)
+        assert app.query_one(DatasetsTable).cell("B2", "state") == "paused"
+
+
+async def test_o_opens_the_log_whole_so_a_long_line_can_be_read():
+    from console.app import EagleOpsApp
+    from console.screens import LogScreen
+    from pipeline.protocol.events import LogEvent
+
+    from .test_console import ScriptedLink, _at, _settle, fixed_events
+
+    long = "B2: HTTP 400 " + " ".join(f"word{i}" for i in range(60)) + " THE-END"
+    app = EagleOpsApp(ScriptedLink([*fixed_events(), LogEvent("error", long, "B2", at=T0)]), clock=_at)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        await pilot.press("o")
+        await pilot.pause()
+        assert isinstance(app.screen, LogScreen)
+        assert any(line.endswith(long) for line in app.screen.lines)
+        assert "THE-END" in app.export_screenshot()  # wrapped into view, not cut at the edge
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, LogScreen)
+
+
+def test_summaries_leave_a_piece_out_whole_never_cut_a_number():
+    from pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
+    from pipeline.protocol.report import status_line, totals_line
+
+    many = [
+        DatasetProgress(
+            f"dataset-{i}", DatasetState.RUNNING, 123_456_789, 999_999_999, 1_234_567, failures=12_345, cost=1234.59, eta_s=99_999.0
+        )
+        for i in range(9)
+    ]
+    for width in (60, 70, 80, 91):
+        line = totals_line(many, width)
+        assert len(line) <= width and "~" not in line
+        assert "spend $11111.31/$" in line or len(line) + len("  spend $11111.31/$89997.93") > width
+    done = DatasetProgress(
+        "B1", DatasetState.DONE, 10_012, 10_000, 5, reason="budget reached, overshoot 12 tokens", stopped_by=StopReason.BUDGET
+    )
+    line = status_line(done)
+    assert "done +12" in line and "overshoot~" not in line and "[budget reached]" in line
+
+
+def test_the_readmes_screenshots_are_the_snapshot_tests_screens():
+    """README shows docs/console-*.svg: kept equal to the snapshots the tests compare against."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent
+    for view in ("generate", "train"):
+        snapshot = root / "__snapshots__" / "test_console" / f"test_snapshots_at_design_sizes[120x40-{view}-dark].svg"
+        assert (root.parent / "docs" / f"console-{view}.svg").read_bytes() == snapshot.read_bytes(), (
+            f"cp '{snapshot}' docs/console-{view}.svg"
+        )

@@ -182,7 +182,8 @@ def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
     if p.failures or p.bad_lines:
         extras.append(f"failed {c['failures']}")
     if p.reason and (p.state.terminal or p.state.value == "paused"):
-        extras.append(f"[{p.reason}]")
+        # the overshoot is the state's own number ("done +12"): the reason need not say it again
+        extras.append(f"[{p.reason.split(', overshoot ', 1)[0]}]")
     if not p.state.terminal:
         extras.append(f"fly {c['in_flight']}")
     if p.reasoning_tokens:
@@ -238,18 +239,22 @@ def totals_cells(progress: list[DatasetProgress]) -> dict[str, str]:
 
 
 def totals_line(progress: list[DatasetProgress], width: int = STATUS_WIDTH) -> str:
-    """Every dataset together: tokens against budgets, samples, failures, spend, the run's ETA."""
+    """Every dataset together: tokens against budgets, samples, failures, spend, the run's ETA.
+    What does not fit is left out whole, never cut inside a number."""
     tokens = sum(p.tokens for p in progress)
     budget = sum(max(p.budget, p.tokens) for p in progress)
-    eta = _run_eta(progress)
     cost = sum(p.cost for p in progress)
-    line = (
-        f"{'total':<14} {len(progress)} datasets {format_tokens(tokens):>7}/{format_tokens(budget)}  "
-        f"{sum(p.samples for p in progress):,} smp  failed {sum(p.failures + p.bad_lines for p in progress)}  ETA {eta}"
-    )
-    if cost:
-        line += f"  spend ${cost:.2f}/${projected_spend(progress):.2f}"
-    return _fit(line, width)
+    line = f"{'total':<14} {len(progress)} datasets {format_tokens(tokens):>7}/{format_tokens(budget)}"
+    extras = [f"spend ${cost:.2f}/${projected_spend(progress):.2f}"] if cost else []  # in order of importance
+    extras += [
+        f"failed {sum(p.failures + p.bad_lines for p in progress)}",
+        f"ETA {_run_eta(progress)}",
+        f"{sum(p.samples for p in progress):,} smp",
+    ]
+    for extra in extras:
+        if len(line) + 2 + len(extra) <= width:
+            line += "  " + extra
+    return line
 
 
 def detail_text(d: dict) -> str:
