@@ -195,7 +195,7 @@ class EagleOpsApp(App[int]):
                 self._laid_out_for = len(self.state.datasets)
                 self._fit_layout()
             status.render_state(self.state)
-            self._show_ml_stages(running_compute_stage(self.state) is not None and not self.state.engine_gone)
+            self._show_ml_stages(running_compute_stage(self.state) is not None)  # gone: its last figures, marked stale
             if ml.display:
                 ml.render_state(self.state)
             self.query_one(DatasetsTable).show(self.state.datasets, stale=self.state.engine_gone)

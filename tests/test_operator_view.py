@@ -328,7 +328,7 @@ def test_the_ml_view_shows_trains_loss_accuracy_rate_checkpoint_and_memory():
 
     lines = training_lines(_state(*_training_events()), 76, 14, now=T0)
     text = "\\n".join(lines)
-    assert lines[0].startswith("train ") and "40/70 steps" in lines[0] and "ETA 1m15s" in lines[0]
+    assert lines[0].startswith("train ") and "40/70 steps" in lines[0] and "ETA 1m15s" in lines[0] and "0.4 steps/s" in lines[0]
     assert "feature cache 12.0 GiB of 93.1 GiB (max_cache_gb)" in text and "GPU0 120.0 GiB/141.0 GiB" in text
     assert "loss 0.667" in text and "12.3k tok/s" in text and "saved step 40 (1m35s ago)" in text
     assert "accuracy by draft position  0.69 0.61" in text
@@ -423,3 +423,22 @@ def test_the_readmes_screenshots_are_the_snapshot_tests_screens():
         assert (root.parent / "docs" / f"console-{view}.svg").read_bytes() == snapshot.read_bytes(), (
             f"cp '{snapshot}' docs/console-{view}.svg"
         )
+
+
+def test_a_paused_stage_says_so_and_every_line_fits():
+    from console.panes.training import training_lines
+    from pipeline.protocol.events import StageState, StageStatus
+
+    state = _state(*_training_events(), StageState("train", StageStatus.PAUSED, at=T0))
+    for width in (76, 118, 196):  # the content widths at 80x24, 120x40, 200x60
+        lines = training_lines(state, width, 14, now=T0)
+        assert lines[0].startswith("train paused") and all(len(line) <= width for line in lines), (width, lines)
+    assert len(training_lines(state, 40, 14, now=T0)[0]) <= 40  # narrower: the pane cuts the others with an ellipsis
+
+
+def test_the_ml_view_of_a_gone_engine_says_its_figures_are_not_live():
+    from console.panes.training import training_lines
+
+    state = _state(*_training_events())
+    state.lose_engine(T0 + 5)
+    assert training_lines(state, 76, 14, now=T0 + 60)[0] == "engine gone: its last figures, not live"

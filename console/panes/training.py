@@ -32,17 +32,24 @@ def _ago(at: float | None, now: float) -> str:
 
 
 def _progress_line(state: ConsoleState, stage: str, width: int) -> str:
+    """The stage, its bar and numbers, as many as fit in ``width`` (whole, never cut)."""
     status = state.stages[stage].status
     progress = state.stage_progress.get(stage)
+    head = f"{stage} paused" if status == StageStatus.PAUSED else stage
     if progress is None or not progress.total:
         return f"{stage}  {status.value}"
-    fraction = progress.done / progress.total
-    unit = progress.unit
-    return (
-        f"{stage}  {progress_bar(fraction, max(8, min(24, width // 5)))} {100 * fraction:5.1f}%  "
-        f"{format_tokens(progress.done)}/{format_tokens(progress.total)} {unit}  {format_rate(progress.rate)} {unit}/s  "
-        f"ETA {format_duration(progress.eta_s)}" + ("  paused" if status == StageStatus.PAUSED else "")
-    )
+    fraction, unit = progress.done / progress.total, progress.unit
+    pieces = [
+        f"{progress_bar(fraction, max(8, min(24, width // 5)))} {100 * fraction:5.1f}%",
+        f"{format_tokens(progress.done)}/{format_tokens(progress.total)} {unit}",
+        f"ETA {format_duration(progress.eta_s)}",
+        f"{format_rate(progress.rate)} {unit}/s",
+    ]
+    line = head
+    for piece in pieces:
+        if len(line) + 2 + len(piece) <= width:
+            line += "  " + piece
+    return line
 
 
 def _train_lines(state: ConsoleState, width: int, height: int, now: float) -> list[str]:
@@ -105,6 +112,8 @@ def training_lines(state: ConsoleState, width: int, height: int, *, now: float |
     now = time.time() if now is None else now
     stage = running_compute_stage(state)
     lines: list[str] = []
+    if stage is not None and state.engine_gone:
+        lines.append("engine gone: its last figures, not live")
     if stage is not None:
         lines.append(_progress_line(state, stage, width))
         if "extract" in state.stages and state.stages["extract"].status in (StageStatus.RUNNING, StageStatus.PAUSED) and stage == "train":
