@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from rich.text import Text
+from textual.geometry import Region
 from textual.widget import Widget
 
 from pipeline.protocol.events import DatasetState, RunPhase, StageStatus
@@ -151,6 +152,14 @@ class RunStatus(Widget):
 
     def render_state(self, state: ConsoleState) -> None:
         text = run_status_text(state, max(1, self.size.width - 2), now=self.clock(), ascii=getattr(self.app, "ascii", False))
-        if text.plain != self._text.plain or text.spans != self._text.spans:
-            self._text = text
+        old, new = self._text, text
+        if old.plain == new.plain and old.spans == new.spans:
+            return
+        self._text = text
+        if len(old.plain) == len(new.plain) and old.spans == new.spans and self.content_region.width:
+            # most seconds only the elapsed time moves: repaint those cells, not the row
+            first = next(i for i, (a, b) in enumerate(zip(old.plain, new.plain)) if a != b)
+            last = max(i for i, (a, b) in enumerate(zip(old.plain, new.plain)) if a != b)
+            self.refresh(Region(first, 0, last - first + 1, 1))
+        else:
             self.refresh()
