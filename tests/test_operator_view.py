@@ -442,3 +442,17 @@ def test_the_ml_view_of_a_gone_engine_says_its_figures_are_not_live():
     state = _state(*_training_events())
     state.lose_engine(T0 + 5)
     assert training_lines(state, 76, 14, now=T0 + 60)[0] == "engine gone: its last figures, not live"
+
+
+def test_a_column_once_shown_stays_while_the_numbers_grow():
+    """The Think column vanished mid-run at 80 columns when the token counts grew: the name now
+    gives up width for it."""
+    from console.panes.datasets import COLUMNS, layout
+
+    early = {key: len(label) for key, label, _ in COLUMNS} | {"dataset": 16, "state": 7, "tokens": 9, "samples": 7}
+    shown = {key for key, _, _ in layout(early, 78)}
+    later = early | {"tokens": 11, "samples": 9, "state": 9}
+    assert {key for key, _, _ in layout(later, 78)} < shown  # without memory a column goes
+    kept = layout(later, 78, frozenset(shown))
+    assert {key for key, _, _ in kept} == shown and sum(w for _, _, w in kept) + 2 * (len(kept) - 1) <= 78
+    assert dict((k, w) for k, _, w in kept)["dataset"] >= 8

@@ -78,9 +78,14 @@ def _state_style(state: str) -> str:
     return _STATE_STYLE.get(state.split(" ", 1)[0], "")
 
 
-def layout(widths: dict[str, int], available: int) -> list[tuple[str, str, int]]:
+_NAME_LEAST = 8  # a dataset name gives up width down to this before a column it showed goes
+
+
+def layout(widths: dict[str, int], available: int, keep: frozenset[str] = frozenset()) -> list[tuple[str, str, int]]:
     """The columns that fit in ``available`` cells, by priority, shown in their usual order.
-    Below 100 columns a long dataset name gives up width (it is cut with ~) before a column goes."""
+    Below 100 columns a long dataset name gives up width (it is cut with ~) before a column goes;
+    ``keep``: columns already on screen at this width, which stay while the numbers grow (the
+    name gives up width for them, down to ``_NAME_LEAST``), rather than vanish mid-run."""
     widths = {**widths, "dataset": min(widths["dataset"], 16 if available < 100 else 24)}
     chosen: set[str] = set()
     used = 0
@@ -89,6 +94,14 @@ def layout(widths: dict[str, int], available: int) -> list[tuple[str, str, int]]
         if used + need <= available:
             chosen.add(key)
             used += need
+    for key in PRIORITY:
+        if key in keep and key not in chosen:
+            over = used + widths[key] + _GAP - available
+            if over > widths["dataset"] - _NAME_LEAST:
+                continue
+            widths["dataset"] -= max(0, over)
+            used += widths[key] + _GAP - max(0, over)
+            chosen.add(key)
     return [(key, label, widths[key]) for key, label, _ in COLUMNS if key in chosen]
 
 
@@ -115,6 +128,7 @@ class DatasetsTable(Widget, can_focus=True):
         self._progress: dict[str, DatasetProgress] = {}
         self._order: list[str] = []  # names as shown: source order, or sorted
         self.sort = SORTS[0]
+        self._kept: tuple[int, frozenset[str]] = (0, frozenset())  # (at this width, the columns shown so far)
 
     @property
     def row_count(self) -> int:
@@ -221,7 +235,13 @@ class DatasetsTable(Widget, can_focus=True):
 
     # ---- painting -------------------------------------------------------------------------
     def _columns(self) -> list[tuple[str, str, int]]:
-        return layout(self._widths, self.size.width)
+        width = self.size.width
+        if self._kept[0] != width:  # a resize chooses afresh
+            self._kept = (width, frozenset())
+        columns = layout(self._widths, width, self._kept[1])
+        if self._cells:  # an empty table's header-wide columns were never really shown
+            self._kept = (width, self._kept[1] | {key for key, _, _ in columns})
+        return columns
 
     def _line(self, columns: list[tuple[str, str, int]], values: dict[str, Text], width: int, style: Style) -> Strip:
         line = Text(no_wrap=True, overflow="crop", style=style)
