@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -31,7 +29,7 @@ from .panes import DatasetsTable, GpuPane, RunStatus, ServerPane, StagesPane, Tr
 from .panes.training import running_compute_stage
 from .screens import BudgetScreen, ConfirmScreen, DetailScreen, HelpScreen, LogScreen, SearchScreen
 from .state import ConsoleState
-from .terminal import TerminalWatch, ascii_only
+from .terminal import TerminalWatch, ascii_only, watch_terminal
 
 __all__ = ["EagleOpsApp", "THEMES"]
 
@@ -46,17 +44,6 @@ def theme_css(theme: str) -> list[str | PurePath]:
     # disk (pip unpacks wheels), which Textual wants as paths: it reads them and, in dev mode, watches them.
     themes = resources.files("console.themes")
     return [Path(str(themes / "base.tcss")), Path(str(themes / f"{theme}.tcss"))]
-
-
-def _isatty(fd: int) -> bool:
-    try:
-        return os.isatty(fd)
-    except OSError:
-        return False
-
-
-def _end_on_signal(watch: TerminalWatch, code: int, signum: int, frame: object) -> None:
-    watch.end(code)
 
 
 def _describe(command: Command) -> str:
@@ -111,28 +98,17 @@ class EagleOpsApp(App[int]):
             self.use_command_palette = False
         if os.environ.get("SSH_CONNECTION") or os.environ.get("SSH_TTY"):
             self.animation_level = "none"  # every animated frame is bytes over the link
-        if not self.is_headless:
-            self._watch_terminal(asyncio.get_running_loop())
+        if not self.is_headless:  # a hangup, a vanished terminal or SIGTERM: leave, even with the loop blocked
+            loop = asyncio.get_running_loop()
+
+            def leave_soon(code: int) -> None:
+                loop.call_soon_threadsafe(self.leave, code)
+
+            self._terminal_watch = watch_terminal(leave_soon)
         await self.link.start()
         self.run_worker(self._pump(), name="events", group="events")
         self.set_interval(self.refresh_s, self.refresh_panes)
         self.query_one(DatasetsTable).focus()
-
-    def _watch_terminal(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Leave when the terminal hangs up, vanishes without a hangup, or SIGTERM comes, even
-        while the event loop is blocked writing to a terminal that reads nothing."""
-        ttys = tuple(fd for fd in (0, 1) if _isatty(fd))
-
-        def leave_soon(code: int) -> None:
-            loop.call_soon_threadsafe(self.leave, code)
-
-        watch = self._terminal_watch = TerminalWatch(ttys, leave_soon)
-        for sig, code in ((signal.SIGHUP, 129), (signal.SIGTERM, 130)):  # terminal gone / asked to stop
-            # signal.signal, not loop.add_signal_handler: that one's handler waits for the loop
-            with contextlib.suppress(ValueError):  # not the main thread (an embedding program's)
-                signal.signal(sig, partial(_end_on_signal, watch, code))
-        if ttys:
-            watch.start()
 
     def on_resize(self, event: events.Resize) -> None:
         self._fit_layout()
@@ -174,7 +150,10 @@ class EagleOpsApp(App[int]):
             self.state.lose_engine(self.clock())
         self.engine_finished = True
         self.refresh_panes()
-        if self.link.attached:
+        self.refresh_bindings()  # nothing to send commands to any more: the footer drops them
+        if self.state.engine_gone:
+            self.write_log("lost the engine without its last word (killed, or its host went down): what is shown is stale", "error")
+        elif self.link.attached:
             self.write_log("the engine has stopped; press q to close", "warning")
         else:
             self.write_log("the run has finished; press q to quit", "info")
@@ -207,12 +186,27 @@ class EagleOpsApp(App[int]):
             self.query_one(ServerPane).render_state(self.state)
             self.query_one(StagesPane).render_state(self.state)
 
+    _COMMANDS = frozenset({"pause", "pause_all", "resume", "resume_all", "budget", "kill", "kill_all", "detail"})
+    _DATASET_ONLY = frozenset({"budget", "detail", "sort", "log_dataset"})  # no table on screen: nothing to act on
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Keys that cannot do anything now are off (and out of the footer): commands once the
+        engine has stopped, the table's keys while the ML view is in its place."""
+        if self.engine_finished and action in self._COMMANDS:
+            return False
+        return not (action in self._DATASET_ONLY and self._ml_view_shown())
+
+    def _ml_view_shown(self) -> bool:
+        views = self.query(TrainingView)  # none on a modal screen's query, or before compose
+        return bool(views) and views.first().display
+
     def _show_ml_stages(self, show: bool) -> None:
         """An ML stage runs: its live view takes the datasets table's place (they are all done)."""
         table, ml = self.query_one(DatasetsTable), self.query_one(TrainingView)
         if ml.display != show:
             ml.display, table.display = show, not show
             self._fit_layout()
+            self.refresh_bindings()
             if not show:
                 table.focus()
 
@@ -338,8 +332,7 @@ class EagleOpsApp(App[int]):
         self.push_screen(LogScreen(log.shown_lines(), str(log.border_title)))
 
     def action_log_page(self, pages: int) -> None:
-        log = self.query_one(LogView)
-        log.scroll_to(y=log.scroll_y + pages * max(1, log.scrollable_content_region.height - 1), animate=False)
+        self.query_one(LogView).page(pages)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

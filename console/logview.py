@@ -52,10 +52,11 @@ class LogView(Log):
     """Every line is kept (up to KEPT); a filter change repaints the matching ones."""
 
     def __init__(self, **kwargs):
-        super().__init__(max_lines=KEPT, auto_scroll=True, highlight=True, **kwargs)
+        super().__init__(max_lines=KEPT, auto_scroll=False, highlight=True, **kwargs)  # it follows by itself: see add()
         self.highlighter = LevelHighlighter()
         self.entries: deque[_Entry] = deque(maxlen=KEPT)
         self.level = "all"
+        self.following = True  # the newest line in view; off while the operator reads back (PgUp)
         self.dataset: str | None = None
         self.search = ""
         self._retitle()
@@ -71,7 +72,11 @@ class LogView(Log):
         entry = _Entry(stamped(line, level), level, dataset)
         self.entries.append(entry)
         if self._matches(entry):
-            self.write_line(entry.line)
+            # Log's own auto-scroll follows only when the view is already at the end, which it is
+            # not after the lines an attached console gets at once (written before its layout)
+            self.write_line(entry.line, scroll_end=False)
+            if self.following:
+                self.scroll_end(animate=False, x_axis=False)
 
     def shown_lines(self) -> list[str]:
         """Every kept line the filter shows, whole."""
@@ -86,7 +91,9 @@ class LogView(Log):
         if search is not None:
             self.search = search
         self.clear()
-        self.write_lines([e.line for e in self.entries if self._matches(e)])
+        self.following = True  # a new filter shows its newest lines
+        self.write_lines([e.line for e in self.entries if self._matches(e)], scroll_end=False)
+        self.scroll_end(animate=False, x_axis=False)
         self._retitle()
 
     def _retitle(self) -> None:
@@ -98,3 +105,12 @@ class LogView(Log):
         if self.search:
             parts.append(f"/{self.search}/")
         self.border_title = "Log" + (f" ({', '.join(parts)})" if parts else "")
+
+    def page(self, pages: int) -> None:
+        """Scroll by pages; reading back stops the following, reaching the end starts it again."""
+        self.scroll_to(y=self.scroll_y + pages * max(1, self.scrollable_content_region.height - 1), animate=False)
+        self.following = self.scroll_y + pages * max(1, self.scrollable_content_region.height - 1) >= self.max_scroll_y
+
+    def on_resize(self) -> None:
+        if self.following:
+            self.scroll_end(animate=False)

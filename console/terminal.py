@@ -9,7 +9,7 @@ import locale
 import os
 from collections.abc import Callable, Mapping
 
-__all__ = ["TerminalWatch", "ascii_only", "to_ascii"]
+__all__ = ["TerminalWatch", "ascii_only", "to_ascii", "watch_terminal"]
 
 _LIMITED_TERMS = {"", "dumb", "linux", "vt100", "vt102", "vt220", "ansi", "cons25"}
 _ASCII = str.maketrans(
@@ -129,3 +129,32 @@ class TerminalWatch:
             if self.terminal_gone():
                 self.end(129)
                 return
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
+def _end_on_signal(watch: TerminalWatch, code: int, signum: int, frame: object) -> None:
+    watch.end(code)
+
+
+def watch_terminal(leave: Callable[[int], None]) -> TerminalWatch:
+    """Watch stdin/stdout (those that are terminals) and take SIGHUP (129) and SIGTERM (130)
+    with plain signal handlers: loop.add_signal_handler's would wait for an event loop that a
+    terminal which reads nothing has blocked. ``leave(code)`` must be callable from any thread."""
+    import signal
+    from functools import partial
+
+    watch = TerminalWatch(tuple(fd for fd in (0, 1) if _isatty(fd)), leave)
+    for sig, code in ((signal.SIGHUP, 129), (signal.SIGTERM, 130)):
+        try:
+            signal.signal(sig, partial(_end_on_signal, watch, code))
+        except ValueError:  # not the main thread (an embedding program's)
+            pass
+    if watch.fds:
+        watch.start()
+    return watch

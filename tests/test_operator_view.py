@@ -150,12 +150,14 @@ def test_failures_per_minute_come_from_the_counts_over_the_last_minute():
 
 
 def test_a_finished_dataset_is_done_with_its_overshoot_and_a_lowered_budget_finishing():
-    from pipeline.protocol.events import DatasetProgress, DatasetState
+    from pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
     from pipeline.protocol.report import dataset_cells
 
     assert dataset_cells(DatasetProgress("a", DatasetState.DONE, 10_012, 10_000, 5))["state"] == "done +12"
     assert dataset_cells(DatasetProgress("a", DatasetState.DONE, 10_000, 10_000, 5))["state"] == "done"
     assert dataset_cells(DatasetProgress("a", DatasetState.RUNNING, 9_000, 5_000, 5, in_flight=3))["state"] == "finishing"
+    exhausted = DatasetProgress("a", DatasetState.DONE, 80_000, 200_000, 5, stopped_by=StopReason.SOURCE_EXHAUSTED)
+    assert dataset_cells(exhausted)["state"] == "done (source)"
 
 
 def test_failure_counts_are_coloured_by_their_share_of_the_rows():
@@ -456,3 +458,106 @@ def test_a_column_once_shown_stays_while_the_numbers_grow():
     kept = layout(later, 78, frozenset(shown))
     assert {key for key, _, _ in kept} == shown and sum(w for _, _, w in kept) + 2 * (len(kept) - 1) <= 78
     assert dict((k, w) for k, _, w in kept)["dataset"] >= 8
+
+
+async def test_the_log_follows_new_lines_after_an_attach_and_a_cleared_filter():
+    """An attached console gets the engine's last 50 lines at once, before its layout: the log
+    stayed on the oldest and never followed the new ones."""
+    from console.app import EagleOpsApp
+    from console.logview import LogView
+    from pipeline.protocol.events import LogEvent
+
+    from .test_console import ScriptedLink, _at, _settle, fixed_events
+
+    backlog = [LogEvent("info", f"old line {i}", at=T0) for i in range(50)]
+    link = ScriptedLink([*fixed_events(), *backlog])
+    app = EagleOpsApp(link, clock=_at)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        log = app.query_one(LogView)
+        link.queue.put_nowait(LogEvent("warning", "the newest line", at=T0))
+        await pilot.pause(0.2)
+        assert log.scroll_y == log.max_scroll_y > 0 and "newest" in str(log.lines[-1])
+        await pilot.press("pageup")
+        await pilot.pause()
+        reading = log.scroll_y
+        link.queue.put_nowait(LogEvent("info", "while reading back", at=T0))
+        await pilot.pause(0.2)
+        assert log.scroll_y == reading  # reading back is not interrupted
+        log.refilter(search="line")
+        log.refilter(search="")
+        await pilot.pause(0.2)
+        link.queue.put_nowait(LogEvent("info", "after the filter", at=T0))
+        await pilot.pause(0.2)
+        assert log.scroll_y == log.max_scroll_y and "after the filter" in str(log.lines[-1])
+
+
+async def test_once_the_engine_is_gone_its_commands_are_off_and_its_death_is_said():
+    from console.app import EagleOpsApp
+    from console.panes import StagesPane
+
+    from .test_console import ScriptedLink, _at, _log_lines, _settle, fixed_events
+
+    link = ScriptedLink(fixed_events())
+    link.queue.put_nowait(None)  # the engine's stream ends without its last word
+    app = EagleOpsApp(link, clock=_at)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _settle(pilot)
+        await pilot.pause(0.1)
+        assert any("lost the engine without its last word" in line for line in _log_lines(app))
+        for key in ("p", "b", "k", "enter"):
+            await pilot.press(key)
+            await pilot.pause(0.05)
+        assert link.sent == [] and app.screen is app.screen_stack[0]  # nothing sent, no dialog opened
+        assert app.check_action("pause", ()) is False and app.check_action("help", ()) is True  # the footer drops what is off
+        assert "▶ generate  stale" in str(app.query_one(StagesPane).render())
+
+
+async def test_the_table_keys_are_off_while_the_ml_view_is_in_its_place():
+    from console.app import EagleOpsApp
+
+    from .test_console import ScriptedLink, _at, _log_lines, _settle
+
+    app = EagleOpsApp(ScriptedLink(_training_events()), clock=_at)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        for key in ("enter", "b", "s", "f"):
+            await pilot.press(key)
+            await pilot.pause(0.05)
+        lines = _log_lines(app)
+        assert not any("no dataset named" in line or "sorted by" in line or "no token budget" in line for line in lines), lines
+
+
+def test_paused_work_shows_no_rate_and_no_eta():
+    """Pausing kept the rate meter's last seconds on screen (2.68k tok/s, 19 steps/s, an ETA)."""
+    from console.panes.status import run_status_text
+    from console.panes.training import training_lines
+    from pipeline.protocol.events import DatasetProgress, DatasetState, StageState, StageStatus
+    from pipeline.protocol.report import dataset_cells, totals_cells
+
+    paused = DatasetProgress("a", DatasetState.PAUSED, 500, 1000, 10, tok_per_s=2680.0, req_per_s=3.0, eta_s=30.0)
+    cells = dataset_cells(paused)
+    assert (cells["tok_s"], cells["req_s"], cells["eta"]) == ("-", "-", "-")
+    assert totals_cells([paused])["tok_s"] == "0.0" and totals_cells([paused])["eta"] == "-"
+    train = _state(*_training_events(), StageState("train", StageStatus.PAUSED, at=T0))
+    line = run_status_text(train, 118, now=T0).plain
+    assert "paused" in line and "steps/s" not in line and "ETA" not in line
+    assert "ETA" not in training_lines(train, 118, 14, now=T0)[0]
+
+
+def test_a_console_attaching_mid_train_gets_the_loss_curve_so_far(tmp_path):
+    """An attached console plotted the loss only from its attach on (71 of 124 logged steps)."""
+    from console.state import ConsoleState
+    from pipeline.engine import Engine
+    from pipeline.protocol.events import StageMetrics
+
+    from .conftest import make_config, write_jsonl
+
+    source = write_jsonl(tmp_path / "a.jsonl", [{"id": "p0", "prompt": "x"}])
+    engine = Engine(make_config(tmp_path, "http://127.0.0.1:9/v1", [{"name": "A", "path": str(source), "token_budget": 10}]))
+    for step in range(1, 125):
+        engine.publish(StageMetrics("train", {"step": step, "loss": 10.0 / step, "acc": [0.5]}))
+    attached = ConsoleState()
+    for event in engine.subscribe().queue._queue:  # what a console attaching now receives first
+        attached.apply(event)
+    assert len(attached.train_loss) == 124

@@ -34,9 +34,10 @@ class StagesPane(TextPane):
             status = stage.status if stage else StageStatus.PENDING
             if status == StageStatus.SKIPPED:
                 continue  # not in this run: nothing to wait for
-            line = f"{_STAGE_MARK[status]} {name:<9} {status.value:<8}"
+            word = "stale" if state.engine_gone and status in (StageStatus.RUNNING, StageStatus.PAUSED) else status.value
+            line = f"{_STAGE_MARK[status]} {name:<9} {word:<8}"
             progress = state.stage_progress.get(name)
-            if progress is not None and progress.total and status in (StageStatus.RUNNING, StageStatus.PAUSED):
+            if progress is not None and progress.total and status in (StageStatus.RUNNING, StageStatus.PAUSED) and not state.engine_gone:
                 line += f" {100 * progress.done / progress.total:5.1f}% ETA {format_duration(progress.eta_s)}"
             lines.append(line)
         train = state.stage_metrics.get("train", {})

@@ -81,12 +81,13 @@ def run_status_text(state: ConsoleState, width: int, *, now: float | None = None
         pieces.append(("elapsed", format_duration(max(0.0, (ended or now) - run.started_at)), ""))
     if not finished:
         if stage == "generate" or (stage is None and datasets):
-            rate, eta = sum(d.tok_per_s for d in datasets if not d.state.terminal), run_eta_s(datasets)
+            rate, eta = sum(d.tok_per_s for d in datasets if d.state == DatasetState.RUNNING), run_eta_s(datasets)
             pieces.append(("rate", f"{format_rate(rate)} tok/s", ""))
         else:
             progress = state.stage_progress.get(stage) if stage else None
-            rate, eta = (progress.rate, progress.eta_s) if progress is not None else (0.0, None)
-            if progress is not None:
+            paused = stage is not None and state.stages[stage].status == StageStatus.PAUSED
+            rate, eta = (progress.rate, progress.eta_s) if progress is not None and not paused else (0.0, None)
+            if progress is not None and not paused:
                 pieces.append(("rate", f"{format_rate(rate)} {progress.unit}/s", ""))
         if eta is not None:
             pieces.append(("eta", f"ETA {format_duration(eta)}", ""))

@@ -42,9 +42,9 @@ def _progress_line(state: ConsoleState, stage: str, width: int) -> str:
     pieces = [
         f"{progress_bar(fraction, max(8, min(24, width // 5)))} {100 * fraction:5.1f}%",
         f"{format_tokens(progress.done)}/{format_tokens(progress.total)} {unit}",
-        f"ETA {format_duration(progress.eta_s)}",
-        f"{format_rate(progress.rate)} {unit}/s",
     ]
+    if status != StageStatus.PAUSED:  # paused, it makes no progress: no rate, no ETA
+        pieces += [f"ETA {format_duration(progress.eta_s)}", f"{format_rate(progress.rate)} {unit}/s"]
     line = head
     for piece in pieces:
         if len(line) + 2 + len(piece) <= width:

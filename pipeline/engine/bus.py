@@ -4,13 +4,15 @@ the current snapshot, then each event as it happens, through a bounded queue of 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from pipeline.protocol.events import Event, LogEvent
+from pipeline.protocol.events import Event, LogEvent, StageMetrics
 
 __all__ = ["EventBus", "Subscription"]
 
 LOG_TAIL = 200  # log lines an attaching console receives first
+METRICS_TAIL = 300  # stage measurements it receives too: train's loss curve so far, not from the attach on
 
 
 class EventBus:
@@ -18,6 +20,7 @@ class EventBus:
         self._snapshot = snapshot
         self.subscribers: set[Subscription] = set()
         self.log_tail: list[LogEvent] = []
+        self.metrics_tail: deque[StageMetrics] = deque(maxlen=METRICS_TAIL)
 
     def subscribe(self) -> Subscription:
         sub = Subscription(self)
@@ -29,6 +32,8 @@ class EventBus:
     def publish(self, event: Event) -> None:
         if isinstance(event, LogEvent):
             self.log_tail = (self.log_tail + [event])[-LOG_TAIL:]
+        elif isinstance(event, StageMetrics):
+            self.metrics_tail.append(event)
         for sub in list(self.subscribers):
             sub.put(event)
 

@@ -142,6 +142,7 @@ class Engine:
         events += [runner.progress() for runner in self.generate.runners.values()]
         events += self.endpoint_stats()
         events += self.latest_telemetry.values()
+        events += self.bus.metrics_tail  # train's loss and accuracy so far: an attached console plots them all
         events += self.bus.log_tail[-SNAPSHOT_LOG_LINES:]
         return events
 

@@ -135,9 +135,12 @@ def dataset_cells(p: DatasetProgress) -> dict[str, str]:
     state = p.state.value
     if p.state.value == "done" and p.overshoot:  # the normal end: the budget reached, a little past it
         state = f"done +{format_tokens(p.overshoot)}"
+    elif p.state.value == "done" and p.stopped_by is not None and p.stopped_by.value == "source exhausted" and p.tokens < p.budget:
+        state = "done (source)"  # every row answered before the budget: not a shortfall to hunt for in the log
     elif p.state.value == "running" and p.budget and p.tokens >= p.budget:  # it issues nothing more
         state = "finishing"
-    stopped = p.state.terminal  # a stopped dataset makes nothing: no rates, no ETA, nothing in flight
+    # a stopped or paused dataset makes nothing: no rates, no ETA (its meter still holds the last seconds)
+    stopped = p.state.terminal or p.state.value == "paused"
     return {
         "dataset": p.name,
         "state": state,
@@ -150,7 +153,7 @@ def dataset_cells(p: DatasetProgress) -> dict[str, str]:
         "tok_s": "-" if stopped else format_rate(p.tok_per_s),
         "reasoning": f"{100 * p.reasoning_share:.0f}%" if p.reasoning_tokens else "-",
         "eta": "-" if stopped else format_duration(p.eta_s),
-        "in_flight": str(p.in_flight),
+        "in_flight": "-" if p.state.terminal else str(p.in_flight),
         "failures": str(p.failures + p.bad_lines),
         "truncated": str(p.truncated),
         "cost": f"${p.cost:.2f}" if p.cost else "",
@@ -202,8 +205,11 @@ def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
 
 
 def run_eta_s(progress: list[DatasetProgress]) -> float | None:
-    """Datasets run side by side: generation ends with the last of them (unknown while one is)."""
+    """Datasets run side by side: generation ends with the last of them (unknown while one is,
+    or while one is paused: it ends when someone resumes it)."""
     live = [p for p in progress if not p.state.terminal]
+    if any(p.state.value == "paused" for p in live):
+        return None
     if not live or any(p.eta_s is None for p in live):
         return None
     return max(p.eta_s or 0.0 for p in live)
@@ -218,7 +224,7 @@ def totals_cells(progress: list[DatasetProgress]) -> dict[str, str]:
     """The console's totals row, in the dataset columns: sums, the whole run's ETA and spend."""
     tokens = sum(p.tokens for p in progress)
     budget = sum(max(p.budget, p.tokens) for p in progress)
-    live = [p for p in progress if not p.state.terminal]
+    live = [p for p in progress if not p.state.terminal and p.state.value != "paused"]
     rate = sum(p.tok_per_s for p in live)
     cost = sum(p.cost for p in progress)
     return {
