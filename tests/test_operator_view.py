@@ -561,3 +561,49 @@ def test_a_console_attaching_mid_train_gets_the_loss_curve_so_far(tmp_path):
     for event in engine.subscribe().queue._queue:  # what a console attaching now receives first
         attached.apply(event)
     assert len(attached.train_loss) == 124
+
+
+def test_a_stages_rate_leaves_out_its_pauses_and_a_resumes_earlier_work(monkeypatch):
+    """After p and r the train's rate halved and its ETA doubled (9.6 against 19 steps/s): the
+    paused seconds counted as work; a resumed train's earlier steps counted as this run's."""
+    import threading
+
+    from pipeline.protocol.events import StageProgress
+    from pipeline.training import context as context_module
+    from pipeline.training.context import StageContext
+
+    now = [1000.0]
+    monkeypatch.setattr(context_module.time, "monotonic", lambda: now[0])
+    sent: list = []
+    ctx = StageContext("train", sent.append)
+    ctx.progress(500, 2000, "steps")  # resumed at step 500: not done at this run's speed
+    now[0] += 10
+    ctx.progress(700, 2000, "steps")  # 20 steps/s
+    ctx.pause()
+
+    def hundred_seconds_later() -> None:  # on the clock the stage reads
+        now[0] += 100
+        ctx.resume()
+
+    threading.Timer(0.05, hundred_seconds_later).start()
+    ctx.checkpoint()  # waits out the pause
+    now[0] += 10
+    ctx.progress(900, 2000, "steps", force=True)
+    progress = [e for e in sent if isinstance(e, StageProgress)]
+    assert progress[1].rate == 20.0 and progress[-1].rate == 20.0 and progress[-1].eta_s == 55.0
+
+
+def test_a_resumed_datasets_rate_is_measured_from_its_resume():
+    from pipeline.generate.endpoints import RateMeter
+
+    now = [0.0]
+    meter = RateMeter(window_s=30, clock=lambda: now[0])
+    for _ in range(10):
+        meter.add(100)
+        now[0] += 1  # 100 tokens/s for 10 s
+    now[0] += 20  # paused 20 s
+    meter.restart()
+    for _ in range(5):
+        meter.add(100)
+        now[0] += 1
+    assert meter.rates()[1] == 100.0  # not 60: the pause is not in it

@@ -78,6 +78,12 @@ class RateMeter:
         while self._events and self._events[0][0] < cutoff:
             self._sum -= self._events.popleft()[1]
 
+    def restart(self) -> None:
+        """Measure afresh (after a pause: its idle seconds are not this dataset's speed)."""
+        self._events.clear()
+        self._sum = 0.0
+        self.started = self.clock()
+
     def rates(self) -> tuple[float, float]:
         self._trim()
         span = min(self.window_s, max(1e-9, self.clock() - self.started))

@@ -32,8 +32,7 @@ _READ_BATCH = 256
 
 @dataclass
 class RunnerShared:
-    """What every dataset of the stage shares: the host to be heard through, the client, the
-    slots that cap requests in flight across datasets."""
+    """What every dataset shares: the host, the client, the slots capping requests in flight."""
 
     host: StageHost
     clock: Callable[[], float]
@@ -280,6 +279,8 @@ class DatasetRunner:
         self.paused = False
         self.wake()
         if self.state == DatasetState.PAUSED and self.task is not None and not self.task.done():
+            for meter in (self.meter, self.source_meter):  # its rate and ETA from now, not averaged with the pause
+                meter.restart()
             self._set(DatasetState.RUNNING)
         stopped_early = self.state == DatasetState.KILLED or (self.state == DatasetState.DONE and self.stopped_by == StopReason.BUDGET)
         return stopped_early and self.limit_reached() is None

@@ -42,6 +42,10 @@ class StageContext:
         self._started = time.monotonic()
         self.started_at = time.time()  # wall clock: compared with files' mtimes
         self._last_progress = 0.0
+        self._paused_s = 0.0  # time spent paused: no work, so not in the rate
+        self._baseline: tuple[float, float, float] | None = (
+            None  # (done, at) at the first report: a resume's earlier work is not this run's rate
+        )
 
     # ---- control (any thread) -----------------------------------------------------------------
     def pause(self) -> None:
@@ -71,7 +75,9 @@ class StageContext:
     def checkpoint(self) -> None:
         if not self._running.is_set():
             self.log("info", f"{self.stage}: paused")
+            paused_at = time.monotonic()
             self._running.wait()
+            self._paused_s += time.monotonic() - paused_at
             if not self._killed.is_set():
                 self.log("info", f"{self.stage}: resumed")
         if self._killed.is_set():
@@ -91,8 +97,11 @@ class StageContext:
         if not force and now - self._last_progress < 0.25 and done < total:
             return
         self._last_progress = now
-        elapsed = now - self._started
-        rate = done / elapsed if elapsed > 0 else 0.0
+        if self._baseline is None:
+            self._baseline = (done, now, self._paused_s)
+        first_done, first_at, paused_before = self._baseline
+        working = now - first_at - (self._paused_s - paused_before)  # a pause is not slow work
+        rate = (done - first_done) / working if working > 0 else 0.0
         eta = (total - done) / rate if rate > 0 and total > done else None
         self._send(StageProgress(self.stage, done, total, unit, round(rate, 3), round(eta, 1) if eta is not None else None, dict(extra)))
 
