@@ -126,7 +126,7 @@ async def _remote(args: argparse.Namespace) -> int:
             for event in events:
                 if isinstance(event, DatasetProgress):
                     print(status_line(event))
-                elif event.kind in ("stage", "endpoint") and (line := format_event(event)):
+                elif event.kind in ("run", "stage", "endpoint") and (line := format_event(event)):
                     print(line)
             return 0
         if args.command == "detail":

@@ -111,7 +111,7 @@ def test_cli_steers_a_headless_run(tmp_path, fault_server):
                 break
             assert time.monotonic() < deadline, status.stderr
             time.sleep(0.2)
-        assert "running" in status.stdout
+        assert "running" in status.stdout and "RUN     " in status.stdout and ": live, started " in status.stdout
         budget = _cli("budget", "B3", "12M")
         assert budget.returncode == 0 and "budget B3: 1M -> 12M" in budget.stdout
         bad = _cli("budget", "B3", "lots")
@@ -120,7 +120,8 @@ def test_cli_steers_a_headless_run(tmp_path, fault_server):
         detail = _cli("detail", "B3")
         assert detail.returncode == 0 and "B3: " in detail.stdout and "latency p50" in detail.stdout
         assert _cli("detail", "nope").returncode == 1
-        assert json.loads(_cli("status", "--json").stdout.splitlines()[0])["type"] == "stage"
+        first = json.loads(_cli("status", "--json").stdout.splitlines()[0])  # the run as a whole leads
+        assert first["type"] == "run" and first["phase"] == "live" and first["exit_code"] is None
         assert "killing the run" in _cli("kill").stdout
         out, _ = proc.communicate(timeout=30)
     finally:

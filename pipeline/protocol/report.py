@@ -6,7 +6,7 @@ import json
 import time
 
 from pipeline.config import format_tokens
-from pipeline.protocol.events import DatasetProgress, EndpointStats, Event, LogEvent, StageMetrics, StageProgress, StageState
+from pipeline.protocol.events import DatasetProgress, EndpointStats, Event, LogEvent, RunState, StageMetrics, StageProgress, StageState
 
 __all__ = [
     "STATUS_WIDTH",
@@ -300,6 +300,9 @@ def format_event(event: Event) -> str | None:
     """A readable line for events worth a line of their own (progress goes via status_line)."""
     if isinstance(event, LogEvent):
         return f"{_clock(event.at)} {event.level.upper():<7} {event.message}"
+    if isinstance(event, RunState):
+        ended = f" (exit {event.exit_code})" if event.exit_code is not None else ""
+        return f"{_clock(event.at)} RUN     {event.name}: {event.phase.value}{ended}, started {_clock(event.started_at)}"
     if isinstance(event, StageState):
         detail = f" ({event.detail})" if event.detail else ""
         return f"{_clock(event.at)} STAGE   {event.stage}: {event.status.value}{detail}"
