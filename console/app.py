@@ -190,10 +190,10 @@ class EagleOpsApp(App[int]):
     _DATASET_ONLY = frozenset({"budget", "detail", "sort", "log_dataset"})  # no table on screen: nothing to act on
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Keys that cannot do anything now are off (and out of the footer): commands once the
-        engine has stopped, the table's keys while the ML view is in its place."""
-        if self.engine_finished and action in self._COMMANDS:
-            return False
+        """Keys that cannot do anything now are off (and out of the footer): commands once an
+        attached console's engine has stopped, the table's keys while the ML view is in its place."""
+        if self.engine_finished and self.link.attached and action in self._COMMANDS:
+            return False  # its socket is closed (an in-process engine still answers, detail included)
         return not (action in self._DATASET_ONLY and self._ml_view_shown())
 
     def _ml_view_shown(self) -> bool:
