@@ -146,8 +146,8 @@ class EagleOpsApp(App[int]):
                     self.refresh_panes()  # first paint without waiting a tick
         except (ControlError, ConnectionError, OSError) as exc:
             self.write_log(f"lost the engine: {exc}", "error")
-        if self.state.run is None or self.state.run.phase != RunPhase.FINISHED:
-            self.state.lose_engine(self.clock())
+        if not self._leaving and (self.state.run is None or self.state.run.phase != RunPhase.FINISHED):
+            self.state.lose_engine(self.clock())  # (closing the console ends the stream too: not a loss)
         self.engine_finished = True
         self.refresh_panes()
         self.refresh_bindings()  # nothing to send commands to any more: the footer drops them
