@@ -11,7 +11,16 @@ from collections.abc import Callable
 
 from pipeline.config import ALL_STAGES
 from pipeline.protocol.events import StageStatus
-from pipeline.protocol.report import format_bytes, format_duration, format_rate, format_tokens, plot, progress_bar, sparkline
+from pipeline.protocol.report import (
+    format_bytes,
+    format_duration,
+    format_rate,
+    format_tokens,
+    join_fitting,
+    plot,
+    progress_bar,
+    sparkline,
+)
 
 from ..state import ConsoleState
 from .text import TextPane
@@ -45,11 +54,7 @@ def _progress_line(state: ConsoleState, stage: str, width: int) -> str:
     ]
     if status != StageStatus.PAUSED:  # paused, it makes no progress: no rate, no ETA
         pieces += [f"ETA {format_duration(progress.eta_s)}", f"{format_rate(progress.rate)} {unit}/s"]
-    line = head
-    for piece in pieces:
-        if len(line) + 2 + len(piece) <= width:
-            line += "  " + piece
-    return line
+    return join_fitting(head, pieces, width)
 
 
 def _train_lines(state: ConsoleState, width: int, height: int, now: float) -> list[str]:
@@ -67,11 +72,7 @@ def _train_lines(state: ConsoleState, width: int, height: int, now: float) -> li
             else "no checkpoint yet"
         )
         parts.insert(1, saved)  # after the loss: what a crash would cost
-        line = ""
-        for part in filter(None, parts):
-            if len(line) + 2 + len(part) <= width or not line:
-                line += ("  " if line else "") + part
-        lines.append(line)
+        lines.append(join_fitting("", parts, width))
     acc = train.get("acc") or []
     if acc:
         lines.append("accuracy by draft position  " + " ".join(f"{a:.2f}" for a in acc))

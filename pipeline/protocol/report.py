@@ -16,6 +16,7 @@ __all__ = [
     "format_duration",
     "format_event",
     "format_rate",
+    "join_fitting",
     "json_line",
     "plot",
     "progress_bar",
@@ -165,6 +166,17 @@ def dataset_cells(p: DatasetProgress) -> dict[str, str]:
 STATUS_WIDTH = 91  # a status line; with its 9-column clock it fits 100 columns
 
 
+def join_fitting(line: str, pieces: list[str], width: int) -> str:
+    """``line`` and, two spaces apart, each of ``pieces`` (in order) that still fits in ``width``:
+    a piece is left out whole, never cut inside a number. An empty ``line`` takes the first piece."""
+    for piece in filter(None, pieces):
+        if not line:
+            line = piece
+        elif len(line) + 2 + len(piece) <= width:
+            line += "  " + piece
+    return line
+
+
 def _fit(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "~"
 
@@ -257,10 +269,7 @@ def totals_line(progress: list[DatasetProgress], width: int = STATUS_WIDTH) -> s
         f"ETA {_run_eta(progress)}",
         f"{sum(p.samples for p in progress):,} smp",
     ]
-    for extra in extras:
-        if len(line) + 2 + len(extra) <= width:
-            line += "  " + extra
-    return line
+    return join_fitting(line, extras, width)
 
 
 def detail_text(d: dict) -> str:
