@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--full", action="store_true", help="show long prompts whole (default: shortened in the middle)")
     inspect.add_argument("--json", action="store_true", help="the report as one JSON object, nothing rendered")
 
+    sources = sub.add_parser("sources", help="each dataset's shards and first rows as generate reads them (field maps checked)")
+    sources.add_argument("run_file", type=Path)
+    sources.add_argument("--rows", type=int, default=3, metavar="N", help="rows shown per dataset (default 3)")
+    sources.add_argument("--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)")
+    sources.add_argument("--json", action="store_true", help="one JSON list, nothing rendered")
+
     demo = sub.add_parser("demo", help="offline end-to-end run on a tiny local model")
     demo.add_argument("--dir", type=Path, default=Path("eagleops-demo"), help="where the demo keeps its files")
     demo.add_argument("--fresh", action="store_true", help="discard the demo's earlier output and generate again")
@@ -207,6 +213,15 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if report.ok else EXIT_USAGE
 
 
+def _sources(args: argparse.Namespace) -> int:
+    """Exit 0 when every source opens and its first rows read; 2 when one does not."""
+    from pipeline.sources.preview import preview_json, preview_sources, render_preview
+
+    previews = preview_sources(load_run(args.run_file), max(1, args.rows), args.dataset)
+    print(preview_json(previews) if args.json else render_preview(previews), end="" if not args.json else "\n")
+    return EXIT_USAGE if any(p.error or (p.bad and not p.rows) for p in previews) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -219,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(config, args, stages=(args.command,))
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "sources":
+            return _sources(args)
         if args.command == "demo":
             from pipeline.demo.demo import prepare_demo
 

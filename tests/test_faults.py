@@ -208,8 +208,8 @@ async def test_poisoned_rows_fail_alone_with_file_and_line(tmp_path, fault_serve
 
 
 async def test_a_row_sharing_an_id_with_a_finished_one_is_not_skipped_on_resume(tmp_path):
-    from pipeline.generate.sources import Prompt
     from pipeline.generate.store import DatasetStore
+    from pipeline.sources import Prompt
 
     source = write_jsonl(tmp_path / "s.jsonl", ["x" * 9] * 10)
     rows = [
@@ -414,8 +414,9 @@ async def test_a_refused_second_engine_leaves_the_lock_holders_pid(tmp_path, fau
     await first.run()
 
 
-def test_a_dataset_path_that_is_a_directory_exits_2(tmp_path):
+def test_a_dataset_path_that_is_a_folder_without_data_exits_2(tmp_path):
     (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "notes.txt").write_text("no rows here")
     run = tmp_path / "run.toml"
     run.write_text(
         'name = "d"\n[[endpoints]]\nbase_url = "http://127.0.0.1:9/v1"\nmodel = "m"\n[[datasets]]\nname = "A"\npath = "dir"\ntoken_budget = 5\n'
@@ -424,7 +425,7 @@ def test_a_dataset_path_that_is_a_directory_exits_2(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"], capture_output=True, text=True, env=env, timeout=60
     )
-    assert done.returncode == 2 and "datasets[0].path" in done.stderr and "is a directory" in done.stderr
+    assert done.returncode == 2 and "datasets[0].path" in done.stderr and "no data files" in done.stderr
 
 
 # ---- the storm: kill -9 again and again while the faults above happen -----------------------------

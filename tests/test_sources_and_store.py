@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from pipeline.generate.sources import BadLine, Prompt, SourceReader, prompt_id_for
 from pipeline.generate.store import DatasetStore, StoreError
+from pipeline.sources import BadLine, Prompt, SourceReader, prompt_id_for
 
 from .conftest import read_jsonl, write_jsonl
 
@@ -39,8 +39,8 @@ def test_reads_every_format_and_names_bad_lines(tmp_path):
     assert prompts[2].messages == ({"role": "user", "content": "just this"},)
     assert [b.message for b in bad] == [
         f"{path}:4: <json>: invalid JSON (Expecting property name enclosed in double quotes)",
-        f"{path}:5: messages[0].content: missing or not a string",
-        f"{path}:7: conversations[0].role: unknown role 'robot'",
+        f"{path}:5: messages[0].content: missing or not a string (the turn has: role)",
+        f"{path}:7: conversations[0].from: unknown role 'robot' (map it in [datasets.fields] roles)",
     ]
 
 

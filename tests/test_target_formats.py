@@ -241,12 +241,12 @@ async def test_a_regenerated_chat_records_every_replys_ids():
     from pipeline.generate.client import Completion
     from pipeline.generate.conversation import regenerate_all
     from pipeline.generate.records import generated_record
-    from pipeline.generate.sources import Prompt
+    from pipeline.sources import Prompt
 
     class Client:
         calls = 0
 
-        async def complete(self, messages, thinking):
+        async def complete(self, messages, thinking, **kwargs):
             Client.calls += 1
             ids = (10 * Client.calls, 10 * Client.calls + 1)
             return Completion(f"answer {Client.calls}", "stop", 5, 2, "server", "e", 0.1, 1, token_ids=ids)

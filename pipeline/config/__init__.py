@@ -4,6 +4,7 @@
 """
 
 from ..errors import ConfigError
+from .fields import field_map
 from .run import (
     ALL_STAGES,
     DatasetConfig,
@@ -36,6 +37,7 @@ __all__ = [
     "ServeConfig",
     "TargetConfig",
     "TrainConfig",
+    "field_map",
     "format_tokens",
     "load_run",
     "parse_run",

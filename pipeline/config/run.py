@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .fields import FORMATS, BenchmarkConfig, FieldsConfig
 from .request_fields import REQUEST_FIELDS
 from .schema import Check, Table, at_least, finite_at_least, matches, one_of, parse_table, setting, within
 
@@ -32,7 +33,6 @@ __all__ = [
 ]
 
 ALL_STAGES = ("generate", "prepare", "extract", "train", "export", "eval")
-FORMATS = ("auto", "conversations", "messages", "prompt")
 THINKING = ("keep", "drop", "off")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
@@ -102,9 +102,21 @@ class DatasetConfig:
     """A prompt source and its token budget."""
 
     name: str = setting(doc="unique in the run; names its output folder", check=matches(_NAME, "use letters, digits, '_', '.', '-' only"))
-    path: Path = setting(doc="JSONL source (relative to the run file)")
+    path: Path = setting(
+        doc="the source, relative to the run file: a `.jsonl` (`.gz`, `.zst`), `.json` array or `.parquet` file, a glob (`data/*.parquet`), "
+        "a folder of shards, one written by `datasets.save_to_disk`, or a hub-cache dataset folder"
+    )
     token_budget: int = setting(doc="completion tokens to generate", tokens=True)
-    format: str = setting("auto", "`conversations`, `messages`, `prompt`, or `auto` per row", check=one_of(*FORMATS))
+    format: str = setting(
+        "auto",
+        "the rows' shape, a field-map preset: `sharegpt`, `openai`, `prompt-response`, `tool-calling`, `trajectory`, or `auto` per row "
+        "(`conversations`, `messages`, `prompt`: the first three's old names)",
+        check=one_of(*FORMATS),
+    )
+    fields: FieldsConfig = setting(FieldsConfig())
+    split: str | None = setting(
+        None, "a `datasets` folder's or hub cache's split (`train`, `test`); default `train` where there are several"
+    )
     max_samples: int | None = setting(None, "optional sample cap as well", check=at_least(1))
     id_field: str = setting("id", "the row's own id field; rows without one are keyed by a content hash")
     thinking: str | None = setting(None, "this dataset's thinking mode; default the run's", check=one_of(*THINKING))
@@ -239,6 +251,9 @@ class EvalConfig:
     prompts: int = setting(20, "held-out prompts to decode", check=at_least(1))
     max_new_tokens: int = setting(64, "tokens per prompt", check=at_least(1))
     draft_tokens: int = setting(4, "drafts per verify step", check=at_least(1))
+    benchmarks: tuple[BenchmarkConfig, ...] = setting(
+        (), "benchmarks (`[[eval.benchmarks]]`) decoded besides the held-out prompts, each reported apart"
+    )
 
 
 @dataclass(frozen=True)
@@ -307,8 +322,6 @@ class RunConfig:
         for i, ds in enumerate(config.datasets):
             if ds.name in seen:
                 raise table.child(f"datasets[{i}]", {}).fail("name", f"duplicate dataset name {ds.name!r}")
-            if ds.path.is_dir():
-                raise table.child(f"datasets[{i}]", {}).fail("path", f"{ds.path} is a directory, not a JSONL file")
             seen.add(ds.name)
         wanted = config.stages if config.stages is not None else (ALL_STAGES if config.target else ("generate",))
         if config.target is None and any(s != "generate" for s in wanted):

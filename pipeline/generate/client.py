@@ -149,7 +149,9 @@ class ChatClient:
         self._timeout = aiohttp.ClientTimeout(total=retry.timeout_s, sock_connect=min(30.0, retry.timeout_s))
         self.on_retry: Callable[[str, str, float], None] | None = None  # (endpoint, reason, delay), for the log
 
-    def _body(self, endpoint: EndpointState, messages: tuple[dict[str, Any], ...], thinking: str) -> bytes:
+    def _body(
+        self, endpoint: EndpointState, messages: tuple[dict[str, Any], ...], thinking: str, tools: tuple[dict[str, Any], ...] | None = None
+    ) -> bytes:
         ep = endpoint.config
         body = {
             "model": ep.model,
@@ -167,6 +169,8 @@ class ChatClient:
                 template_on=self.sampling.thinking_on_kwargs,
             ),
         }
+        if tools:  # the row's tool schemas: the server's template renders them as the target always sees them
+            body["tools"] = list(tools)
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
     def backoff(self, attempt: int, retry_after: float | None) -> float:
@@ -176,7 +180,9 @@ class ChatClient:
             delay = max(delay, min(retry_after, self.retry.max_delay_s))
         return delay
 
-    async def complete(self, messages: tuple[dict[str, Any], ...], *, thinking: str = "keep") -> Completion:
+    async def complete(
+        self, messages: tuple[dict[str, Any], ...], *, thinking: str = "keep", tools: tuple[dict[str, Any], ...] | None = None
+    ) -> Completion:
         started = time.monotonic()
         attempt = 0
         previous: EndpointState | None = None
@@ -184,7 +190,7 @@ class ChatClient:
             attempt += 1
             endpoint = await self.pool.acquire(avoid=previous)
             try:
-                reply = await self._attempt(endpoint, messages, thinking)
+                reply = await self._attempt(endpoint, messages, thinking, tools)
                 self.pool.succeeded(endpoint)
                 break
             except _Retryable as exc:
@@ -244,7 +250,9 @@ class ChatClient:
             )
         return None
 
-    async def _attempt(self, endpoint: EndpointState, messages: tuple[dict[str, Any], ...], thinking: str) -> Reply:
+    async def _attempt(
+        self, endpoint: EndpointState, messages: tuple[dict[str, Any], ...], thinking: str, tools: tuple[dict[str, Any], ...] | None = None
+    ) -> Reply:
         headers = {"Content-Type": "application/json"}
         if endpoint.key:
             headers["Authorization"] = f"Bearer {endpoint.key}"
@@ -252,7 +260,7 @@ class ChatClient:
         response = None
         try:
             response = await self.session.post(
-                endpoint.url, data=self._body(endpoint, messages, thinking), headers=headers, timeout=self._timeout
+                endpoint.url, data=self._body(endpoint, messages, thinking, tools), headers=headers, timeout=self._timeout
             )
             limit = _ERROR_BODY_READ if response.status != 200 else self.max_reply_bytes
             raw = await _read_capped(response, limit, truncate=response.status != 200)

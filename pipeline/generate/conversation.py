@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.generate.client import ChatClient, Completion
-from pipeline.generate.sources import reply_points
+from pipeline.sources import reply_points
 
 __all__ = ["assistant_turn", "regenerate_all"]
 
@@ -51,6 +51,7 @@ async def regenerate_all(
     *,
     may_go_on: Callable[[], bool] = lambda: True,
     on_reply: Callable[[Completion], None] = lambda completion: None,
+    tools: tuple[dict[str, Any], ...] | None = None,
 ) -> tuple[list[dict[str, Any]], Completion, list[int]]:
     """(the conversation with the target's replies, their combined accounting, the indices of the
     replies the target wrote: the ones to train on). ``may_go_on`` is asked before every reply
@@ -69,7 +70,7 @@ async def regenerate_all(
             if completions and not may_go_on():
                 del kept[written[-1] + 1 :]  # the record ends at the target's last reply
                 break
-            completion = await client.complete(tuple(sent), thinking=thinking)
+            completion = await client.complete(tuple(sent), thinking=thinking, tools=tools)
             on_reply(completion)
             completions.append(completion)
             sent.append({"role": "assistant", "content": completion.text})

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from pipeline.generate.client import Completion
-from pipeline.generate.sources import BadLine, Prompt
+from pipeline.sources import BadLine, Prompt
 
 __all__ = ["bad_line_record", "failed_request_record", "generated_record"]
 
@@ -44,6 +44,10 @@ def generated_record(
         "reasoning_tokens": completion.reasoning_tokens,
         "finished_at": round(time.time(), 3),
     }
+    if prompt.tools:
+        record["tools"] = list(prompt.tools)  # prepare renders them as the server did
+    if prompt.shard:
+        record["source_file"] = prompt.shard
     if completion.token_ids is not None:
         record["completion_token_ids"] = list(completion.token_ids)
     earlier = completion.reply_token_ids
@@ -59,6 +63,7 @@ def failed_request_record(prompt: Prompt, dataset: str, reason: str, attempts: i
         "dataset": dataset,
         "source_offset": prompt.offset,
         "source_line": prompt.line,
+        **({"source_file": prompt.shard} if prompt.shard else {}),
         "reason": reason,
         "attempts": attempts,
     }

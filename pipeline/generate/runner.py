@@ -11,17 +11,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import DatasetConfig, format_tokens
+from pipeline.config import DatasetConfig, field_map, format_tokens
+from pipeline.errors import InputError
 from pipeline.generate.client import ChatClient, Completion, PermanentFailure, RateMeter
 from pipeline.generate.conversation import assistant_turn, regenerate_all
 from pipeline.generate.digest import CURRENT_REQUEST, FailureDigest
 from pipeline.generate.limits import InFlight, Limits
 from pipeline.generate.records import bad_line_record, failed_request_record, generated_record
-from pipeline.generate.sources import BadLine, Prompt, SourceReader, reply_points
 from pipeline.generate.store import DatasetStore, StoreError, WriteFailed
 from pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
 from pipeline.protocol.host import StageHost
 from pipeline.protocol.redact import Redactor
+from pipeline.sources import BadLine, Prompt, SourceReader, reply_points
 
 __all__ = ["DatasetRunner", "RunnerShared"]
 
@@ -72,6 +73,7 @@ class DatasetRunner:
         self._stopping = False  # killed: the final save stops waiting for a full disk
         self.source_meter = RateMeter(clock=shared.clock)  # source bytes finished per second
         self._source_size = 0
+        self.fields = field_map(config.format, config.fields, config.id_field)
         self.flight = InFlight()  # a conversation in flight reserves what its remaining replies may take
         self.latencies: deque[float] = deque(maxlen=2000)  # this session's, for the detail view
         self.endpoint_counts: Counter[str] = Counter()
@@ -125,8 +127,8 @@ class DatasetRunner:
     # ---- the run ------------------------------------------------------------------------------
     async def run(self) -> None:
         self._stopping = False
-        with contextlib.suppress(OSError):
-            self._source_size = (await asyncio.to_thread(self.config.path.stat)).st_size
+        with contextlib.suppress(OSError, InputError):  # the ETA's cap: the source's bytes left
+            self._source_size = await asyncio.to_thread(self.store.source.seekable_size)
         self.store.rewind_to_watermark()
         self._exhausted = False
         self.reason, self.stopped_by = "", None
@@ -138,7 +140,7 @@ class DatasetRunner:
         try:
             async with asyncio.TaskGroup() as group:
                 await self._issue(group)
-        except* StoreError as errors:
+        except* (StoreError, InputError) as errors:  # their own words name the file
             failure = str(errors.exceptions[0])
         except* OSError as errors:
             failure = f"{self.config.path}: {errors.exceptions[0]}"
@@ -156,9 +158,7 @@ class DatasetRunner:
 
     async def _issue(self, group: asyncio.TaskGroup) -> None:
         offset, lines = self.store.reader_position()
-        reader = SourceReader(
-            self.config.path, self.config.format, self.config.id_field, offset=offset, line=lines, regenerate=self.config.regenerate
-        )
+        reader = SourceReader(self.store.source, self.fields, offset=offset, line=lines, regenerate=self.config.regenerate)
         batches = reader.batches(_READ_BATCH)
         while True:
             batch = await asyncio.to_thread(next, batches, None)
@@ -213,10 +213,10 @@ class DatasetRunner:
             if self.config.regenerate == "all":
                 on_reply = lambda reply: self.flight.replied(mine, reply.completion_tokens)  # noqa: E731
                 conversation, completion, written = await regenerate_all(
-                    client, prompt.messages, self.thinking, may_go_on=self._may_go_on, on_reply=on_reply
+                    client, prompt.messages, self.thinking, may_go_on=self._may_go_on, on_reply=on_reply, tools=prompt.tools
                 )
             else:
-                completion = await client.complete(prompt.messages, thinking=self.thinking)
+                completion = await client.complete(prompt.messages, thinking=self.thinking, tools=prompt.tools)
                 conversation, written = [*prompt.messages, assistant_turn(completion)], [len(prompt.messages)]
             self.store.add_record(prompt, self.shared.redact_data.scrub(self._record(prompt, conversation, completion, written)))
         except PermanentFailure as exc:
@@ -241,7 +241,7 @@ class DatasetRunner:
     def _request_failed(self, prompt: Prompt, reason: str, attempts: int | None) -> None:
         reason = self.shared.redact(reason).encode("utf-8", "backslashreplace").decode("utf-8")
         self.store.add_failure(prompt, failed_request_record(prompt, self.config.name, reason, attempts))
-        where = f"{self.config.path.name}:{prompt.line} ({prompt.prompt_id})"
+        where = f"{prompt.shard or self.config.path.name}:{prompt.line} ({prompt.prompt_id})"
         (self.shared.failures or FailureDigest(self.shared.host.log)).failed(self.config.name, where, reason)
 
     def _record(self, prompt: Prompt, conversation: list[dict[str, Any]], completion: Completion, written: list[int]) -> dict[str, Any]:

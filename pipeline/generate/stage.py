@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from pipeline.config import EndpointConfig, RunConfig, format_tokens
-from pipeline.errors import EagleOpsError
+from pipeline.errors import EagleOpsError, InputError
 from pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
 from pipeline.generate.detail import dataset_detail, failure_reasons
 from pipeline.generate.digest import FailureDigest, RetryDigest
@@ -30,6 +30,7 @@ from pipeline.protocol.events import Ack, Command, DatasetState, EndpointStats, 
 from pipeline.protocol.host import StageHost
 from pipeline.protocol.redact import Redactor
 from pipeline.servers.supervisor import SupervisedServer
+from pipeline.sources import Source
 
 __all__ = ["GenerateStage"]
 
@@ -76,8 +77,13 @@ class GenerateStage:
     # ---- opening ------------------------------------------------------------------------------
     async def open(self) -> None:
         """Recover every dataset's store (O(1) per dataset). Raises StoreError or OSError."""
-        for ds in self.config.datasets:
-            store = DatasetStore(self.config.output_dir / ds.name, ds.name, ds.path, Budget(ds.token_budget))
+        for i, ds in enumerate(self.config.datasets):
+            source = Source(ds.path, ds.split)
+            try:  # a path that names no data fails the run before any request, as a run file's error
+                await asyncio.to_thread(getattr, source, "shards")
+            except InputError as exc:
+                raise InputError(f"{self.config.source}: datasets[{i}].path: {exc}") from None
+            store = DatasetStore(self.config.output_dir / ds.name, ds.name, source, Budget(ds.token_budget))
             await asyncio.to_thread(store.open)
             thinking = self.config.thinking_for(ds)
             self.runners[ds.name] = DatasetRunner(self.shared, ds, store, thinking=thinking, max_tokens=self.config.sampling.max_tokens)

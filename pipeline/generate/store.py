@@ -6,10 +6,11 @@ Layout of ``OUT/<dataset>/``:
 * ``failed.jsonl`` records that failed permanently and unusable source lines, with the reason;
 * ``manifest.json`` written by temp-file + rename after every batch: the byte length of both
   files at that point, running totals, and a *watermark* into the source (the first source
-  line that is not yet durably done) plus the source lines done beyond it.
+  row that is not yet durably done) plus the source rows done beyond it.
 
-Done-ness is keyed by the source line's byte offset, not by the prompt's id: two rows that
-share an id are two pieces of work, in a clean run and after any number of kills alike.
+Done-ness is keyed by the row's position in the source (``sources.shards``: a JSONL line's
+byte offset, a Parquet row's shard and index), not by the prompt's id: two rows that share an
+id are two pieces of work, in a clean run and after any number of kills alike.
 
 Every append starts at the committed length of its file: a write that failed half way (disk
 full, too many open files) is cut off before the batch is written again, so no record ever
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -34,12 +34,11 @@ from typing import Any
 from pipeline.errors import RunError
 from pipeline.files import write_json_atomic
 from pipeline.generate.limits import Budget
-from pipeline.generate.sources import BadLine, Prompt
+from pipeline.sources import BadLine, Prompt, Source
 
 __all__ = ["DatasetStore", "StoreError", "Totals", "WriteFailed"]
 
 MANIFEST_VERSION = 2  # 1 keyed done work by prompt id; it is read and upgraded
-_FINGERPRINT_SPAN = 4096
 
 
 class StoreError(RunError):
@@ -101,25 +100,13 @@ def _encode(record: dict[str, Any]) -> bytes:
     return (json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
 
 
-def source_fingerprint(path: Path, offset: int) -> str:
-    """Hash of the source's head and of the bytes just before ``offset``: O(1), and enough to
-    notice a source that was replaced or edited under a resumable run."""
-    h = hashlib.blake2b(digest_size=12)
-    with open(path, "rb") as f:
-        h.update(f.read(min(offset, _FINGERPRINT_SPAN)))
-        if offset > _FINGERPRINT_SPAN:
-            f.seek(max(_FINGERPRINT_SPAN, offset - _FINGERPRINT_SPAN))
-            h.update(f.read(offset - f.tell()))
-    return h.hexdigest()
-
-
 class DatasetStore:
     """Owned by the event loop; file I/O runs in worker threads, one flush at a time."""
 
-    def __init__(self, directory: Path, name: str, source: Path, budget: Budget | None = None):
+    def __init__(self, directory: Path, name: str, source: Source | Path, budget: Budget | None = None):
         self.directory = directory
         self.name = name
-        self.source = source
+        self.source = source if isinstance(source, Source) else Source(source)
         self.data_path = directory / "data.jsonl"
         self.failed_path = directory / "failed.jsonl"
         self.manifest_path = directory / "manifest.json"
@@ -157,13 +144,12 @@ class DatasetStore:
         self._read_pos = (int(watermark["offset"]), int(watermark["lines"]))
         if manifest and self._read_pos[0] > 0:
             if not self.source.exists():
-                raise StoreError(f"{self.source}: source missing (the run was at byte {self._read_pos[0]})")
-            if self.source.stat().st_size < self._read_pos[0] or source_fingerprint(self.source, self._read_pos[0]) != manifest.get(
-                "source_fingerprint"
-            ):
+                raise StoreError(f"{self.source}: source missing (the run was at position {self._read_pos[0]})")
+            problem = self.source.resume_problem(self._read_pos[0])
+            if problem is not None or self.source.fingerprint(self._read_pos[0]) != manifest.get("source_fingerprint"):
                 raise StoreError(
-                    f"{self.source}: changed since this output was written (resume point byte "
-                    f"{self._read_pos[0]}); restore it or use a new output_dir"
+                    f"{self.source}: changed since this output was written ({problem or f'resume point {self._read_pos[0]}'}); "
+                    "restore it or use a new output_dir"
                 )
         done = manifest.get("done_beyond", [])
         self.done_beyond = {int(v) for v in (done.values() if isinstance(done, dict) else done)}  # v1: {id: offset}
@@ -322,7 +308,7 @@ class DatasetStore:
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:
         offset = manifest["watermark"]["offset"]
-        manifest["source_fingerprint"] = source_fingerprint(self.source, offset) if self.source.exists() else None
+        manifest["source_fingerprint"] = self.source.fingerprint(offset) if self.source.exists() else None
         write_json_atomic(self.manifest_path, manifest)
 
 

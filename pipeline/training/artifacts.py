@@ -288,6 +288,7 @@ class EvalResult:
     backend: str = "hf"
     tok_per_s: float | None = None  # served: generated tokens per second with the drafter
     tok_per_s_without_drafter: float | None = None
+    benchmark: str = "held-out"  # the held-out prompts, or a benchmark's name
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

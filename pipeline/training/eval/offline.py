@@ -1,7 +1,7 @@
 """eval's offline backend: the acceptance length of the exported drafter, by real speculative
 decoding with the target in transformers.
 
-On held-out prompts (``prepared/eval.jsonl``): the drafter proposes ``draft_tokens`` tokens in a
+On held-out prompts (``prepared/eval.jsonl``) and each benchmark: the drafter proposes ``draft_tokens`` tokens in a
 chain (top-1), the target verifies them greedily in one forward pass, the longest agreeing prefix
 is accepted plus the target's own next token (``acceptance`` turns the steps into figures).
 Greedy verification makes the output identical to the target's own greedy decoding, which is
@@ -18,6 +18,7 @@ from pipeline.config import RunConfig
 from pipeline.training.artifacts import EvalResult, FeaturesIndex
 from pipeline.training.context import StageContext
 from pipeline.training.eval.acceptance import acceptance_from_steps
+from pipeline.training.eval.benchmarks import Work
 from pipeline.training.modeling.drafter import Eagle3Drafter, build_drafter, load_exported
 from pipeline.training.modeling.layers import engine_layer_ids
 from pipeline.training.modeling.target import head_and_embeddings, load_target, require_target
@@ -78,8 +79,10 @@ def _until_stop(tokens: list[int], stops: Collection[int]) -> list[int]:
 
 
 def evaluate_offline(
-    config: RunConfig, ctx: StageContext, prompts: list[list[int]], stops: Collection[int], *, untrained: bool
-) -> EvalResult:
+    config: RunConfig, ctx: StageContext, work: list[Work], stops: Collection[int], *, untrained: bool
+) -> list[EvalResult]:
+    """One result per set of ``work`` (the held-out prompts, then each benchmark), every prompt
+    decoded speculatively and checked against the target's own greedy decoding."""
     target = require_target(config)
     model, device, _ = load_target(target)
     aux_layers = FeaturesIndex.read(config.features_dir).capture.aux_layers  # the export's too: ``evaluate`` checked
@@ -90,24 +93,32 @@ def evaluate_offline(
         drafter = load_exported(config.export_dir, embeddings)
     drafter = drafter.to(device).eval()
     k = config.eval.draft_tokens
-    steps: list[int] = []
-    mismatches = 0
-    for i, prompt in enumerate(prompts):
-        ctx.checkpoint()
-        generated, accepted = speculative_generate(
-            model, drafter, prompt, aux_layers=aux_layers, k=k, max_new_tokens=config.eval.max_new_tokens, stops=stops, device=device
+    results = []
+    for name, questions, run in work:
+        steps: list[int] = []
+        mismatched: list[bool] = []
+
+        def decode(prompt: list[int], steps: list[int] = steps, mismatched: list[bool] = mismatched) -> list[int]:
+            ctx.checkpoint()
+            generated, accepted = speculative_generate(
+                model, drafter, prompt, aux_layers=aux_layers, k=k, max_new_tokens=config.eval.max_new_tokens, stops=stops, device=device
+            )
+            mismatched.append(generated != _greedy(model, prompt, len(generated), stops, device)[: len(generated)])
+            steps.extend(accepted)
+            return generated
+
+        run(decode)
+        acceptance = acceptance_from_steps(steps, k)
+        results.append(
+            EvalResult(
+                drafter="untrained" if untrained else str(config.export_dir),
+                prompts=questions,
+                verify_steps=acceptance.verify_steps,
+                draft_tokens=k,
+                acceptance_length=acceptance.length,
+                acceptance_rate_per_position=acceptance.rate_per_position,
+                greedy_mismatches=sum(mismatched),
+                benchmark=name,
+            )
         )
-        if generated != _greedy(model, prompt, len(generated), stops, device)[: len(generated)]:
-            mismatches += 1
-        steps += accepted
-        ctx.progress(i + 1, len(prompts), "prompts")
-    acceptance = acceptance_from_steps(steps, k)
-    return EvalResult(
-        drafter="untrained" if untrained else str(config.export_dir),
-        prompts=len(prompts),
-        verify_steps=acceptance.verify_steps,
-        draft_tokens=k,
-        acceptance_length=acceptance.length,
-        acceptance_rate_per_position=acceptance.rate_per_position,
-        greedy_mismatches=mismatches,
-    )
+    return results

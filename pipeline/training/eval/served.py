@@ -1,15 +1,16 @@
 """eval's served backends, ``backend = "vllm"`` (or ``"sglang"``): vLLM serves the target with our exported drafter, as it would in
 production, and the acceptance comes from its own spec-decode counters.
 
-The held-out prompts are sent as token ids (rendered by the target's chat template, never
+The held-out prompts and each benchmark's questions are sent as token ids (rendered by the target's chat template, never
 re-tokenised), greedy, one at a time. Counters are read before and after, so the figures are
-deltas over this eval, not since the server started. The same prompts then go through a plain
+deltas over each set (the held-out prompts, each benchmark), not since the server started. The same prompts then go through a plain
 vLLM (no drafter): its outputs must equal the speculative ones, and its tok/s is the baseline.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from pipeline.servers.vllm import complete_ids, launch_for, read_metrics, vllm_s
 from pipeline.training.artifacts import EvalResult
 from pipeline.training.context import StageContext, serving
 from pipeline.training.eval.acceptance import Acceptance, acceptance_from_counts
+from pipeline.training.eval.benchmarks import Decode, Work
 
 __all__ = ["evaluate_served", "evaluate_sglang"]
 
@@ -27,10 +29,25 @@ _DRAFTS = "vllm:spec_decode_num_drafts_total"
 _ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
 
-def _decode(
-    config: RunConfig, ctx: StageContext, prompts: list[list[int]], spec: dict[str, Any] | None
-) -> tuple[list[list[int]], dict[str, float], float]:
-    """(outputs, counter deltas, generated tok/s) of one server over every prompt."""
+Measured = tuple[list[list[int]], dict[str, float], float]  # (outputs, counter deltas, generated tok/s) of one set
+
+
+def _timed(work: list[Work], decode: Decode, ctx: StageContext, counters: Callable[[], dict[str, float]]) -> list[Measured]:
+    """Each set of ``work`` decoded in turn, with its own counter deltas and rate."""
+    measured = []
+    for _, _, run in work:
+        before = counters()
+        started = time.perf_counter()
+        outputs = run(decode)
+        elapsed = time.perf_counter() - started
+        after = counters()
+        deltas = {key: value - before.get(key, 0.0) for key, value in after.items()}
+        measured.append((outputs, deltas, sum(map(len, outputs)) / elapsed if elapsed > 0 else 0.0))
+    return measured
+
+
+def _decode(config: RunConfig, ctx: StageContext, work: list[Work], spec: dict[str, Any] | None) -> list[Measured]:
+    """Every set of ``work`` through one vLLM server, with the drafter (``spec``) or without."""
     serve = config.serve
     if serve is None:  # checked when the run file was read; the type checker wants it here too
         raise ValueError("no [serve] table")
@@ -38,36 +55,34 @@ def _decode(
     name = "vllm-eval-speculative" if spec else "vllm-eval-plain"
     log_path = config.output_dir / "servers" / f"{name}.log"
     server = vllm_server(launch, log_path=log_path, log=ctx.log, startup_timeout_s=serve.startup_timeout_s, max_restarts=0)
-    outputs: list[list[int]] = []
     with serving(server, ctx):
-        before = read_metrics(server.base_url)
-        started = time.perf_counter()
-        for i, prompt in enumerate(prompts):
+
+        def decode(prompt: list[int]) -> list[int]:
             ctx.checkpoint()
-            outputs.append(complete_ids(server.base_url, launch.served_name, prompt, config.eval.max_new_tokens))
-            ctx.progress(i + 1, len(prompts), "prompts", force=i + 1 == len(prompts))
-        elapsed = time.perf_counter() - started
-        after = read_metrics(server.base_url)
-    deltas = {key: value - before.get(key, 0.0) for key, value in after.items()}
-    return outputs, deltas, sum(map(len, outputs)) / elapsed if elapsed > 0 else 0.0
+            return complete_ids(server.base_url, launch.served_name, prompt, config.eval.max_new_tokens)
+
+        return _timed(work, decode, ctx, lambda: read_metrics(server.base_url))
 
 
-def evaluate_served(config: RunConfig, ctx: StageContext, prompts: list[list[int]], export_dir: Path) -> EvalResult:
+def evaluate_served(config: RunConfig, ctx: StageContext, work: list[Work], export_dir: Path) -> list[EvalResult]:
     k = config.eval.draft_tokens
     spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k}
-    ctx.log("info", f"eval: vLLM with the drafter ({k} draft tokens), then without, over {len(prompts)} prompts")
-    speculative, deltas, spec_tps = _decode(config, ctx, prompts, spec)
-    plain, _, plain_tps = _decode(config, ctx, prompts, None)
-    # vLLM counts drafts (verify steps), accepted tokens, and the drafts whose j-th token was accepted
-    accepted_at = [deltas.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{j}]", 0.0) for j in range(k)]
-    acceptance = acceptance_from_counts(deltas.get(_DRAFTS, 0.0), deltas.get(_ACCEPTED, 0.0), accepted_at)
-    return _served_result("vllm", export_dir, k, acceptance, len(prompts), (speculative, plain), (spec_tps, plain_tps))
+    questions = sum(n for _, n, _ in work)
+    ctx.log("info", f"eval: vLLM with the drafter ({k} draft tokens), then without, over {questions} questions in {len(work)} sets")
+    speculative = _decode(config, ctx, work, spec)
+    plain = _decode(config, ctx, work, None)
+    results = []
+    for (name, n, _), (spec_out, deltas, spec_tps), (plain_out, _, plain_tps) in zip(work, speculative, plain):
+        # vLLM counts drafts (verify steps), accepted tokens, and the drafts whose j-th token was accepted
+        accepted_at = [deltas.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{j}]", 0.0) for j in range(k)]
+        acceptance = acceptance_from_counts(deltas.get(_DRAFTS, 0.0), deltas.get(_ACCEPTED, 0.0), accepted_at)
+        results.append(_served_result("vllm", export_dir, k, acceptance, n, (spec_out, plain_out), (spec_tps, plain_tps), name))
+    return results
 
 
-def _sglang_decode(
-    config: RunConfig, ctx: StageContext, prompts: list[list[int]], draft: Path | None
-) -> tuple[list[list[int]], int, int, float]:
-    """(outputs, completion tokens, verify steps, tok/s) of SGLang with or without the drafter."""
+def _sglang_decode(config: RunConfig, ctx: StageContext, work: list[Work], draft: Path | None) -> list[Measured]:
+    """Every set through SGLang with or without the drafter; its counters are the replies' own
+    (``completion_tokens``, ``spec_verify_ct``), summed per set."""
     serve = config.serve
     if serve is None or config.target is None:  # checked when the run file was read
         raise ValueError("no [serve] or [target] table")
@@ -84,30 +99,32 @@ def _sglang_decode(
     name = "sglang-eval-speculative" if draft else "sglang-eval-plain"
     server = SupervisedServer(name, launch.argv, log_path=config.output_dir / "servers" / f"{name}.log", log=ctx.log,
                               env=launch.env, startup_timeout_s=serve.startup_timeout_s, max_restarts=0)  # fmt: skip
-    outputs, generated, verify_steps = [], 0, 0
+    totals = {"generated": 0.0, "verify_steps": 0.0}
     with serving(server, ctx):
-        started = time.perf_counter()
-        for i, prompt in enumerate(prompts):
+
+        def decode(prompt: list[int]) -> list[int]:
             ctx.checkpoint()
             ids, meta = generate_ids(server.base_url, prompt, config.eval.max_new_tokens)
-            outputs.append(ids)
-            generated += int(meta.get("completion_tokens", len(ids)))
-            verify_steps += int(meta.get("spec_verify_ct", 0))
-            ctx.progress(i + 1, len(prompts), "prompts", force=i + 1 == len(prompts))
-        elapsed = time.perf_counter() - started
-    return outputs, generated, verify_steps, generated / elapsed if elapsed > 0 else 0.0
+            totals["generated"] += int(meta.get("completion_tokens", len(ids)))
+            totals["verify_steps"] += int(meta.get("spec_verify_ct", 0))
+            return ids
+
+        return _timed(work, decode, ctx, lambda: dict(totals))
 
 
-def evaluate_sglang(config: RunConfig, ctx: StageContext, prompts: list[list[int]], export_dir: Path) -> EvalResult:
-    """SGLang's acceptance length: generated tokens per verify step over the eval (its per-request
+def evaluate_sglang(config: RunConfig, ctx: StageContext, work: list[Work], export_dir: Path) -> list[EvalResult]:
+    """SGLang's acceptance length: generated tokens per verify step over each set (its per-request
     ``completion_tokens / spec_verify_ct``, summed). SGLang does not split it by draft position."""
-    ctx.log("info", f"eval: SGLang with the drafter ({config.eval.draft_tokens} draft tokens), then without, over {len(prompts)} prompts")
-    speculative, generated, steps, spec_tps = _sglang_decode(config, ctx, prompts, export_dir)
-    plain, _, _, plain_tps = _sglang_decode(config, ctx, prompts, None)
-    acceptance = acceptance_from_counts(steps, generated - steps)  # each step gains its accepted drafts + 1
-    return _served_result(
-        "sglang", export_dir, config.eval.draft_tokens, acceptance, len(prompts), (speculative, plain), (spec_tps, plain_tps)
-    )
+    k = config.eval.draft_tokens
+    ctx.log("info", f"eval: SGLang with the drafter ({k} draft tokens), then without, over {len(work)} sets")
+    speculative = _sglang_decode(config, ctx, work, export_dir)
+    plain = _sglang_decode(config, ctx, work, None)
+    results = []
+    for (name, n, _), (spec_out, deltas, spec_tps), (plain_out, _, plain_tps) in zip(work, speculative, plain):
+        steps, generated = deltas["verify_steps"], deltas["generated"]
+        acceptance = acceptance_from_counts(steps, generated - steps)  # each step gains its accepted drafts + 1
+        results.append(_served_result("sglang", export_dir, k, acceptance, n, (spec_out, plain_out), (spec_tps, plain_tps), name))
+    return results
 
 
 def _served_result(
@@ -118,6 +135,7 @@ def _served_result(
     prompts: int,
     outputs: tuple[list, list],
     rates: tuple[float, float],
+    benchmark: str,
 ) -> EvalResult:
     """An engine's eval: the same prompts decoded with the drafter and without (``outputs``,
     ``rates`` in tokens/s); greedy decoding must give the same tokens either way."""
@@ -133,4 +151,5 @@ def _served_result(
         backend=backend,
         tok_per_s=round(rates[0], 2),
         tok_per_s_without_drafter=round(rates[1], 2),
+        benchmark=benchmark,
     )

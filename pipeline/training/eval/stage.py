@@ -1,4 +1,5 @@
-"""eval: the acceptance length of the exported drafter on the held-out prompts, offline
+"""eval: the acceptance length of the exported drafter on the held-out prompts and on each
+benchmark of ``[[eval.benchmarks]]`` (one table: eval.json, beside the drafter, the log), offline
 (``offline``: transformers) or served (``served``: vLLM or SGLang with the drafter, as in
 production); reported beside the training curves.
 
@@ -9,15 +10,18 @@ learned on still drafts, only badly, and nothing else would say why."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.errors import InputError
 from pipeline.training.artifacts import EvalResult, features_capture
 from pipeline.training.context import StageContext
+from pipeline.training.eval.benchmarks import BenchmarkItem, Decode, Work, ask_turns, benchmark_table, load_benchmark, write_benchmarks
 from pipeline.training.eval.offline import evaluate_offline
 from pipeline.training.modeling.drafter_config import exported_capture
 from pipeline.training.modeling.target import load_target_tokenizer, require_target
+from pipeline.training.modeling.thinking_switch import template_kwargs
 from pipeline.training.modeling.turns import reply_stop_ids
 from pipeline.training.tracking import Trackers
 
@@ -54,35 +58,82 @@ def _check_export_against_features(config: RunConfig) -> None:
         )
 
 
-def _report_acceptance(config: RunConfig, result: EvalResult) -> None:
-    """Beside the training curves: acceptance at the step the drafter was trained to."""
+def _report_acceptance(config: RunConfig, results: list[EvalResult]) -> None:
+    """Beside the training curves: acceptance at the step the drafter was trained to, the
+    held-out prompts' as ``eval/acceptance_length`` and each benchmark's under its name."""
     history = config.train_dir / "history.jsonl"
     step = sum(1 for _ in open(history)) if history.exists() else 0
     trackers = Trackers(config.train_dir, wandb_project=config.train.wandb_project, run_name=config.name)
+    scalars = {"eval/acceptance_length": results[0].acceptance_length}
+    for r in results[1:]:
+        scalars[f"eval/{r.benchmark}/acceptance_length"] = r.acceptance_length
+        scalars.update({f"eval/{r.benchmark}/accept_rate_p{j + 1}": rate for j, rate in enumerate(r.acceptance_rate_per_position)})
     try:
-        trackers.log(step, {"eval/acceptance_length": result.acceptance_length})
+        trackers.log(step, scalars)
     finally:
         trackers.close()
 
 
+def _work(config: RunConfig, ctx: StageContext, tokenizer: Any, thinking: str) -> list[Work]:
+    """The held-out prompts first (the ids the server fed the target), then each benchmark."""
+    prompts = [_prompt_ids(tokenizer, row) for row in _held_out_prompts(config)]
+    benchmarks = [
+        (bench, load_benchmark(bench, config.eval.prompts)) for bench in config.eval.benchmarks
+    ]  # read first: a bad file fails fast
+    total = len(prompts) + sum(len(items) for _, items in benchmarks)
+    done = 0
+
+    def advanced(step: int = 1) -> None:
+        nonlocal done
+        done += step
+        ctx.progress(done, total, "questions", force=done == total)
+
+    def held_out(decode: Decode) -> list[list[int]]:
+        outputs = []
+        for prompt in prompts:
+            outputs.append(decode(prompt))
+            advanced()
+        return outputs
+
+    work: list[Work] = [("held-out", len(prompts), held_out)]
+    template = template_kwargs(config, tokenizer, thinking)
+
+    def asked(items: list[BenchmarkItem]) -> Callable[[Decode], list[list[int]]]:
+        return lambda decode: ask_turns(items, tokenizer, template, decode, on_item=lambda _: advanced())
+
+    work += [(bench.name, len(items), asked(items)) for bench, items in benchmarks]
+    return work
+
+
+def _report(config: RunConfig, ctx: StageContext, results: list[EvalResult]) -> None:
+    """The table in the log, beside the drafter, in eval.json, the trackers and the console."""
+    main = results[0]
+    (config.output_dir / "eval.json").write_text(json.dumps({**main.to_json(), "benchmarks": [r.to_json() for r in results]}, indent=1))
+    write_benchmarks(results, config.export_dir / "eval_benchmarks.json")
+    _report_acceptance(config, results)
+    for line in benchmark_table(results).splitlines():
+        ctx.log("info", f"eval: {line}")
+
+
 def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False, backend: str | None = None) -> EvalResult:
-    """Acceptance length on the held-out prompts, by ``backend`` (default: the run file's)."""
+    """Acceptance length on the held-out prompts and every benchmark, by ``backend`` (default:
+    the run file's). Returns the held-out result; each set's is in eval.json's ``benchmarks``."""
     target = require_target(config)
     if not untrained:
         _check_export_against_features(config)
     tokenizer = load_target_tokenizer(target)
-    prompts = [_prompt_ids(tokenizer, row) for row in _held_out_prompts(config)]
+    work = _work(config, ctx, tokenizer, config.thinking)
     chosen = backend or config.eval.backend
     if chosen in ("vllm", "sglang") and not untrained:
         from pipeline.training.eval.served import evaluate_served, evaluate_sglang
 
         serve = evaluate_served if chosen == "vllm" else evaluate_sglang
-        result = serve(config, ctx, prompts, config.export_dir)
+        results = serve(config, ctx, work, config.export_dir)
     else:
-        result = evaluate_offline(config, ctx, prompts, reply_stop_ids(tokenizer, target.model), untrained=untrained)
+        results = evaluate_offline(config, ctx, work, reply_stop_ids(tokenizer, target.model), untrained=untrained)
+    result = results[0]
     if not untrained:
-        (config.output_dir / "eval.json").write_text(json.dumps(result.to_json(), indent=1))
-        _report_acceptance(config, result)
+        _report(config, ctx, results)
     ctx.metrics(**result.to_json())
     per_position, k = result.acceptance_rate_per_position, result.draft_tokens
     ctx.log(

@@ -21,8 +21,10 @@ Sample = tuple[list[int], list[int]]  # (input_ids, loss_mask)
 SAMPLE_RULE = 2  # how samples are built (2: the sequence the target processed); a change re-prepares
 
 
-def _prompt_key(messages: list[dict[str, str]]) -> str:
-    prompt = messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
+def _prompt_key(messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> str:
+    prompt: Any = messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
+    if tools:  # the same question with other tools is another prompt
+        prompt = [prompt, tools]
     return hashlib.blake2b(json.dumps(prompt, sort_keys=True, ensure_ascii=False).encode(), digest_size=12).hexdigest()
 
 
@@ -58,7 +60,8 @@ def read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict[
                     raise PrepareError(f"{path}:{line_no}: field {exc} missing") from None
                 except (ValueError, TypeError, AttributeError) as exc:
                     raise PrepareError(f"{path}:{line_no}: {exc}") from None
-                key = _prompt_key(messages)
+                tools = record.get("tools") or None
+                key = _prompt_key(messages, tools)
                 if key in seen:
                     duplicates += 1
                     continue
@@ -78,6 +81,7 @@ def read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict[
                         "trained": trained,
                         "thinking": thinking,
                         "finished": record.get("finish_reason") != "length",
+                        "tools": tools,
                     }
                 )
     return rows, duplicates

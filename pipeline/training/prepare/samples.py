@@ -137,11 +137,17 @@ class SampleBuilder:
         thinking, answer_ids = self._rebuilt(fmt, thought, answer, finished)
         return thinking + answer_ids + end, len(thinking) if thought else 0, False
 
-    def served_prompt(self, messages: list[dict[str, Any]], trained: Collection[int] | None, thinking: str) -> list[int]:
+    def served_prompt(
+        self, messages: list[dict[str, Any]], trained: Collection[int] | None, thinking: str, *, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """The ids a server fed the target to write the conversation's last reply: what eval
         replays on held-out conversations."""
         sent = _as_sent(messages, _target_turns(messages, trained))
-        return render_ids(self.tokenizer, sent[:-1], generation_prompt=True, **self.kwargs[thinking])
+        return render_ids(self.tokenizer, sent[:-1], generation_prompt=True, **self._kwargs(thinking, tools))
+
+    def _kwargs(self, thinking: str, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """The template's kwargs as the server passed them: the thinking switch, and the row's tools."""
+        return {**self.kwargs[thinking], "tools": tools} if tools else self.kwargs[thinking]
 
     def build(
         self,
@@ -153,12 +159,13 @@ class SampleBuilder:
         exact_turns: dict[int, list[int]] | None = None,
         finished: bool = True,
         on_reply: Callable[[int], None] = lambda k: None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[Built]:
         """The samples of one conversation; ``trained``: the indices of the replies the target
         wrote (None: every assistant turn); ``exact``: the last reply's ids from the server,
         ``exact_turns``: any reply's, by index (a regenerated conversation's);
         ``finished``: whether that reply ended (not cut at ``max_tokens``)."""
-        fmt, kwargs = self.formats[thinking], self.kwargs[thinking]
+        fmt, kwargs = self.formats[thinking], self._kwargs(thinking, tools)
         turns = _target_turns(messages, trained)
         sent = _as_sent(messages, turns)
         samples: list[Built] = []

@@ -60,6 +60,7 @@ def build_row(builder: SampleBuilder, row: dict[str, Any]) -> list[Built]:
             exact=row.get("exact"),
             exact_turns=row.get("exact_turns"),
             finished=row["finished"],
+            tools=row.get("tools"),
         )
     except PrepareError as exc:
         raise PrepareError(f"{row['dataset']}/{row['id']}: {exc}") from None
@@ -116,7 +117,7 @@ def _write_held_out(folder: Path, held_out: list[dict[str, Any]], builder: Sampl
     thinking mode's template switch, the history as sent), so eval replays what serving sees."""
     with open(folder / "eval.jsonl", "w", encoding="utf-8") as f:
         for row in held_out:
-            prompt_ids = builder.served_prompt(row["messages"], row.get("trained"), row["thinking"])
+            prompt_ids = builder.served_prompt(row["messages"], row.get("trained"), row["thinking"], tools=row.get("tools"))
             held = {"id": row["id"], "dataset": row["dataset"], "messages": row["messages"][:-1], "prompt_ids": prompt_ids}
             f.write(json.dumps(held, ensure_ascii=False) + "\n")
 
