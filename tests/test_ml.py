@@ -223,16 +223,30 @@ def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
 
     from pipeline.training.eval.stage import evaluate
 
-    config = _config(workdir, tiny_model)
+    from .test_benchmarks import benchmark_tables
+
+    config = _config(workdir, tiny_model, eval={"benchmarks": benchmark_tables()})
     engine = Engine(config, stages=("prepare", "extract", "train", "export", "eval"))
     summary = asyncio.run(engine.run())
     assert all(summary.stages[s] == StageStatus.DONE for s in ("prepare", "extract", "train", "export", "eval")), summary.stages
     trained = engine.stage_results["eval"]
+    # every benchmark decoded, turn by turn, each with the target's own greedy output, reported apart
+    table = json.loads((config.output_dir / "eval.json").read_text())["benchmarks"]
+    assert [(r["benchmark"], r["prompts"]) for r in table] == [
+        ("held-out", trained.prompts),
+        ("MT-Bench", 2),
+        ("GSM8K", 2),
+        ("HumanEval", 2),
+        ("MATH500", 2),
+    ]
+    assert all(r["verify_steps"] > 0 and r["greedy_mismatches"] == 0 and len(r["acceptance_rate_per_position"]) == 4 for r in table)
+    assert json.loads((config.export_dir / "eval_benchmarks.json").read_text())["benchmarks"] == table
     untrained = evaluate(config, StageContext("eval"), untrained=True)
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     board = event_accumulator.EventAccumulator(str(config.train_dir / "tensorboard"))
     board.Reload()
-    assert {"loss", "lr", "tokens_per_s", "acc/ttt_0", "step_loss/ttt_3", "eval/acceptance_length"} <= set(board.Tags()["scalars"])
+    assert {"loss", "lr", "tokens_per_s", "acc/ttt_0", "step_loss/ttt_3", "eval/acceptance_length", "eval/MT-Bench/acceptance_length",
+            "eval/HumanEval/accept_rate_p1"} <= set(board.Tags()["scalars"])  # fmt: skip
     assert board.Scalars("eval/acceptance_length")[-1].value == pytest.approx(trained.acceptance_length, rel=1e-6)
 
     # the export is what SGLang loads: config + safetensors with its key names, no embeddings

@@ -184,7 +184,7 @@ def test_resume_refuses_a_source_whose_shards_changed(tmp_path):
 
 def _rows(prefix: str, n: int) -> list[dict]:
     return [
-        {"uid": f"{prefix}{i}", "instruction": f"{prefix} {i} [[tokens:5]] [[delay:0.03]]", "input": "", "output": "old"} for i in range(n)
+        {"uid": f"{prefix}{i}", "instruction": f"{prefix} {i} [[tokens:5]] [[delay:0.15]]", "input": "", "output": "old"} for i in range(n)
     ]
 
 
@@ -197,13 +197,13 @@ def test_parquet_hf_and_compressed_sources_survive_kill_9(tmp_path, fault_server
     pq_rows = _rows("p", 60)
     for k in range(3):
         _parquet(shards / f"train-{k:05d}-of-00003.parquet", pq_rows[k * 20 : k * 20 + 20], row_group_size=6)
-    hf_rows = [{"key": f"h{i}", "chat": [{"speaker": "USER", "text": f"h {i} [[tokens:5]] [[delay:0.03]]"}]} for i in range(50)]
+    hf_rows = [{"key": f"h{i}", "chat": [{"speaker": "USER", "text": f"h {i} [[tokens:5]] [[delay:0.15]]"}]} for i in range(50)]
     _save_to_disk(tmp_path / "hf", hf_rows, shards=2)
-    zst_rows = [{"id": f"z{i}", "messages": [{"role": "user", "content": f"z {i} [[tokens:5]] [[delay:0.03]]"}]} for i in range(50)]
+    zst_rows = [{"id": f"z{i}", "messages": [{"role": "user", "content": f"z {i} [[tokens:5]] [[delay:0.15]]"}]} for i in range(50)]
     (tmp_path / "z.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl_bytes(zst_rows)))
     run = tmp_path / "run.toml"
     run.write_text(
-        f'name = "{tmp_path.name[:20]}"\noutput_dir = "out"\nconcurrency = 6\n'
+        f'name = "{tmp_path.name[:20]}"\noutput_dir = "out"\nconcurrency = 4\n'
         f'[[endpoints]]\nbase_url = "{fault_server.base_url}"\nmodel = "m"\n'
         f'[[datasets]]\nname = "PQ"\npath = "{shards}/*.parquet"\ntoken_budget = "1G"\nformat = "prompt-response"\n'
         f'[datasets.fields]\nid = "uid"\n'
@@ -220,6 +220,8 @@ def test_parquet_hf_and_compressed_sources_survive_kill_9(tmp_path, fault_server
         finally:
             proc.kill()
             proc.wait()
+    before = {name: len(read_jsonl(tmp_path / "out" / name / "data.jsonl")) for name in ("PQ", "HF", "ZS")}
+    assert 0 < sum(before.values()) < 160, before  # the kills came mid-run: the last run resumes, it does not start over
     final = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
     for name, rows, key in (("PQ", pq_rows, "uid"), ("HF", hf_rows, "key"), ("ZS", zst_rows, "id")):
@@ -228,7 +230,8 @@ def test_parquet_hf_and_compressed_sources_survive_kill_9(tmp_path, fault_server
         assert (tmp_path / "out" / name / "failed.jsonl").read_text() == ""
     pq_records = read_jsonl(tmp_path / "out" / "PQ" / "data.jsonl")
     assert {r["source_file"] for r in pq_records} == {f"train-{k:05d}-of-00003.parquet" for k in range(3)}
-    assert pq_records[0]["conversations"][0] == {"role": "user", "content": pq_rows[0]["instruction"]} or True
+    by_id = {r["id"]: r for r in pq_records}
+    assert by_id["p0"]["conversations"][0] == {"role": "user", "content": pq_rows[0]["instruction"]}  # Alpaca's empty input adds nothing
 
 
 def test_sources_command_shows_rows_as_read(tmp_path, sources):
@@ -247,3 +250,14 @@ def test_sources_command_shows_rows_as_read(tmp_path, sources):
     assert "user: question 0" in done.stdout
     assert "BAD" in done.stdout and "no 'messages' or" not in done.stdout
     assert "the row has: conversations, id" in done.stdout
+
+
+def test_hub_shard_names_give_their_split(tmp_path):
+    """UltraChat-style names: `data/train_sft-00000-of-00003-<hash>.parquet`; `split` picks one."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, rows in (("train_sft", ROWS[:5]), ("test_sft", ROWS[5:7]), ("train_gen", ROWS[7:8])):
+        _parquet(data / f"{split}-00000-of-00001-0a1b2c3d.parquet", rows)
+    assert [s.path.name for s in find_shards(tmp_path, "test_sft")] == ["test_sft-00000-of-00001-0a1b2c3d.parquet"]
+    with pytest.raises(InputError, match=r"several splits \(test_sft, train_gen, train_sft\); choose one with `split`"):
+        find_shards(tmp_path)

@@ -97,10 +97,16 @@ def test_served_acceptance_equals_the_offline_eval(whole_run):
     """vLLM in fp32 (as the offline eval computes), greedy: the same tokens, the same acceptance."""
     from pipeline.training.eval.stage import evaluate
 
+    from .test_benchmarks import benchmark_tables
+
     config, engine = whole_run
     offline = engine.stage_results["eval"]
-    fp32 = _config(config.output_dir.parent, config.target.model, serve=in_fp32(SERVE))
+    evaluation = {"prompts": 12, "max_new_tokens": 48, "draft_tokens": 4, "benchmarks": benchmark_tables()}
+    fp32 = _config(config.output_dir.parent, config.target.model, serve=in_fp32(SERVE), eval=evaluation)
     served = evaluate(fp32, StageContext("eval"), backend="vllm")
+    table = json.loads((config.output_dir / "eval.json").read_text())["benchmarks"]  # each set through the same two servers
+    assert [r["benchmark"] for r in table] == ["held-out", "MT-Bench", "GSM8K", "HumanEval", "MATH500"]
+    assert all(r["verify_steps"] > 0 and r["greedy_mismatches"] == 0 and r["tok_per_s"] and r["backend"] == "vllm" for r in table)
     print(json.dumps({"offline": offline.to_json(), "served": served.to_json()}, indent=1))
     assert served.greedy_mismatches == 0  # speculative outputs equal plain vLLM's
     assert served.verify_steps > 0 and served.tok_per_s and served.tok_per_s_without_drafter

@@ -59,13 +59,16 @@ def _natural(path: Path) -> list[Any]:
 
 
 def _split_of(relative: Path) -> str | None:
-    """The split a hub file belongs to: ``data/train-00000-of-00002.parquet``, ``train/0000.parquet``, ``test.jsonl``."""
+    """The split a hub file belongs to: ``data/train_sft-00000-of-00003.parquet`` (the hub's own
+    shard names), ``train/0000.parquet``, ``test.jsonl``."""
+    named = re.match(r"^(.+?)-\d{5}-of-\d{5}", relative.name)
+    if named:
+        return named.group(1)
     for part in relative.parts[:-1]:
         if part.lower() in _SPLITS:
             return part.lower()
     stem = relative.name.split(".")[0].lower()
-    head = re.split(r"[-_]", stem)[0]
-    return head if head in _SPLITS else None
+    return stem if stem in _SPLITS else None
 
 
 def _choose_split(found: list[str], wanted: str | None, where: Path) -> str | None:
