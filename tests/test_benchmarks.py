@@ -111,7 +111,76 @@ def test_the_table_has_a_row_per_set_and_a_column_per_position():
         EvalResult("d", 16, 120, 4, 2.81, [0.7, 0.5, 0.4, 0.3], 0, benchmark="held-out"),
         EvalResult("d", 80, 900, 4, 2.4, [0.6, 0.4, 0.3, 0.2], 0, "vllm", 110.0, 50.0, benchmark="MT-Bench"),
     ]
+    assert benchmark_table(rows[:1]).splitlines()[0].split() == ["benchmark", "questions", "steps", "accept", "p1", "p2", "p3", "p4"]
     lines = benchmark_table(rows).splitlines()
     assert lines[0].split() == ["benchmark", "questions", "steps", "accept", "p1", "p2", "p3", "p4", "tok/s", "plain", "speedup"]
     assert lines[1].split() == ["held-out", "16", "120", "2.81", "0.70", "0.50", "0.40", "0.30", "-", "-", "-"]
     assert lines[2].split()[-3:] == ["110.0", "50.0", "2.20x"]
+
+
+# ---- tools from a source row to the trained sample (Qwen3's real template) ----------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_a_rows_tools_reach_the_template_and_a_call_is_trained_as_rendered(zoo_files):
+    from transformers import AutoTokenizer
+
+    from .conftest import builder_for
+
+    folder = zoo_files("qwen3-8b")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    call = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    [sample] = builder_for(tokenizer, folder).build(messages, [1], "off", tools=[WEATHER])
+    text = tokenizer.decode(sample.ids)
+    assert "<tools>" in text and '"name": "get_weather"' in text  # the schema, as the server's template showed it
+    trained = tokenizer.decode([t for t, m in zip(sample.ids, sample.mask) if m])
+    assert trained == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>'
+
+
+def test_a_reply_that_calls_a_tool_keeps_its_calls_in_the_record():
+    from pipeline.generate.client import Completion
+    from pipeline.generate.conversation import assistant_turn
+    from pipeline.generate.replies import parse_reply
+
+    body = {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}], "usage": {"completion_tokens": 9}}  # fmt: skip
+    reply = parse_reply(json.dumps(body).encode())
+    assert reply.text == "" and reply.finish_reason == "tool_calls" and reply.tool_calls[0]["function"]["name"] == "get_weather"
+    completion = Completion(reply.text, reply.finish_reason, 5, 9, "server", "ep", 0.1, 1, tool_calls=reply.tool_calls)
+    assert assistant_turn(completion) == {"role": "assistant", "content": "", "tool_calls": list(reply.tool_calls)}
+
+
+def test_llama_factory_tool_rows_become_calls_and_results():
+    from pipeline.config.fields import field_map
+    from pipeline.sources import read_row
+
+    row = {  # LLaMA-Factory's glaive_toolcall_en_demo.json shape: tools and the call as JSON strings
+        "conversations": [
+            {"from": "human", "value": "Area of a 5x3 rectangle?"},
+            {"from": "function_call", "value": '{"name": "calculate_area", "arguments": {"shape": "rectangle", "dimensions": [5, 3]}}'},
+            {"from": "observation", "value": '{"area": 15}'},
+            {"from": "gpt", "value": "It is 15."},
+        ],
+        "tools": '[{"name": "calculate_area", "description": "Area of a shape", "parameters": {"type": "object", "properties": {}}}]',
+    }
+    found = read_row(row, field_map("sharegpt"), regenerate="all")
+    roles = [m["role"] for m in found.messages]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    call = found.messages[1]["tool_calls"][0]
+    assert call["function"] == {"name": "calculate_area", "arguments": '{"shape": "rectangle", "dimensions": [5, 3]}'}
+    assert found.messages[2]["tool_call_id"] == call["id"]
+    assert found.tools == (
+        {
+            "type": "function",
+            "function": {"name": "calculate_area", "description": "Area of a shape", "parameters": {"type": "object", "properties": {}}},
+        },
+    )

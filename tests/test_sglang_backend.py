@@ -51,8 +51,11 @@ def test_sglang_backend_launches_eagle3_and_reads_its_meta_info(tmp_path):
         },
         base_dir=tmp_path,
     )
-    result = evaluate_sglang(config, StageContext("eval"), [[1, 2, 3], [7, 8]], tmp_path / "drafter")
-    assert result.backend == "sglang" and result.greedy_mismatches == 0
+    prompts = [[1, 2, 3], [7, 8]]
+    [result] = evaluate_sglang(
+        config, StageContext("eval"), [("held-out", 2, lambda decode: [decode(p) for p in prompts])], tmp_path / "drafter"
+    )
+    assert result.backend == "sglang" and result.greedy_mismatches == 0 and result.benchmark == "held-out"
     assert result.verify_steps == 8 and result.acceptance_length == 3.0  # 24 tokens / 8 steps
     spec = json.loads((tmp_path / "fake_sglang.py.argv.spec").read_text())
     assert spec[spec.index("--speculative-algorithm") + 1] == "EAGLE3"

@@ -72,6 +72,7 @@ class Completion:
     token_ids: tuple[int, ...] | None = None
     # a regenerated conversation's record: every reply's ids, in order (the last is token_ids)
     reply_token_ids: tuple[tuple[int, ...] | None, ...] = ()
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
@@ -235,6 +236,7 @@ class ChatClient:
             reasoning=reply.reasoning,
             reasoning_tokens=_reasoning_share(reply, completion_tokens),
             token_ids=reply.token_ids,
+            tool_calls=reply.tool_calls,
         )
 
     def _trusted_count(self, reply: Reply, endpoint: EndpointState) -> int | None:

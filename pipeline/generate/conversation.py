@@ -21,6 +21,8 @@ __all__ = ["assistant_turn", "regenerate_all"]
 
 def assistant_turn(completion: Completion) -> dict[str, Any]:
     turn: dict[str, Any] = {"role": "assistant", "content": completion.text}
+    if completion.tool_calls:  # the target called a tool: kept as the template renders it
+        turn["tool_calls"] = list(completion.tool_calls)
     if completion.reasoning:
         turn["reasoning_content"] = completion.reasoning  # the name chat templates read
     return turn
@@ -73,7 +75,13 @@ async def regenerate_all(
             completion = await client.complete(tuple(sent), thinking=thinking, tools=tools)
             on_reply(completion)
             completions.append(completion)
-            sent.append({"role": "assistant", "content": completion.text})
+            sent.append(
+                {
+                    "role": "assistant",
+                    "content": completion.text,
+                    **({"tool_calls": list(completion.tool_calls)} if completion.tool_calls else {}),
+                }
+            )
             written.append(len(kept))
             kept.append(assistant_turn(completion))
     return kept, _combined(completions), written

@@ -34,6 +34,7 @@ class Reply:
     reasoning_tokens: int | None
     token_ids: tuple[int, ...] | None
     cost: float | None
+    tool_calls: tuple[dict[str, Any], ...] = ()  # the target's calls of the request's tools, as the server parsed them
 
 
 def _routed(kind: str, base_url: str) -> bool:
@@ -127,6 +128,8 @@ def parse_reply(raw: bytes) -> Reply:
     ids = choice.get("token_ids")
     token_ids = tuple(ids) if isinstance(ids, list) and all(_count(i) is not None for i in ids) else None
     cost = usage.get("cost")
+    calls = message.get("tool_calls")
+    tool_calls = tuple(c for c in calls if isinstance(c, dict)) if isinstance(calls, list) else ()
     return Reply(
         text=text,
         reasoning=reasoning,
@@ -136,4 +139,5 @@ def parse_reply(raw: bytes) -> Reply:
         reasoning_tokens=_count(details.get("reasoning_tokens")) if isinstance(details, dict) else None,
         token_ids=token_ids,
         cost=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) and cost >= 0 else None,
+        tool_calls=tool_calls,
     )

@@ -109,16 +109,20 @@ def _cell(value: float | None, digits: int = 2) -> str:
 
 def benchmark_table(results: Sequence[EvalResult]) -> str:
     """One row per benchmark: questions, verify steps, acceptance length, the acceptance rate at
-    each draft position, and (served) tokens/s with the drafter, without it, and their ratio."""
+    each draft position, and where served, tokens/s with the drafter, without it, and their ratio
+    (columns an offline eval has no figures for are left out: the table fits 80 columns then)."""
     positions = max((len(r.acceptance_rate_per_position) for r in results), default=0)
-    header = ["benchmark", "questions", "steps", "accept", *[f"p{j + 1}" for j in range(positions)], "tok/s", "plain", "speedup"]
-    rows = [header]
+    served = any(r.tok_per_s for r in results)
+    header = ["benchmark", "questions", "steps", "accept", *[f"p{j + 1}" for j in range(positions)]]
+    rows = [header + (["tok/s", "plain", "speedup"] if served else [])]
     for r in results:
         rates = [_cell(x) for x in r.acceptance_rate_per_position] + ["-"] * (positions - len(r.acceptance_rate_per_position))
-        speedup = r.tok_per_s / r.tok_per_s_without_drafter if r.tok_per_s and r.tok_per_s_without_drafter else None
-        rows.append([r.benchmark, str(r.prompts), str(r.verify_steps), _cell(r.acceptance_length), *rates,
-                     _cell(r.tok_per_s, 1), _cell(r.tok_per_s_without_drafter, 1), _cell(speedup) + ("x" if speedup else "")])  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        row = [r.benchmark, str(r.prompts), str(r.verify_steps), _cell(r.acceptance_length), *rates]
+        if served:
+            speedup = r.tok_per_s / r.tok_per_s_without_drafter if r.tok_per_s and r.tok_per_s_without_drafter else None
+            row += [_cell(r.tok_per_s, 1), _cell(r.tok_per_s_without_drafter, 1), _cell(speedup) + ("x" if speedup else "")]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows)
 
 

@@ -66,8 +66,14 @@ def _target_turns(messages: list[dict[str, Any]], trained: Collection[int] | Non
 
 
 def _as_sent(messages: list[dict[str, Any]], turns: Collection[int]) -> list[dict[str, Any]]:
-    """The conversation as the server was sent it: the target's replies without their thinking."""
-    return [{"role": m["role"], "content": m.get("content") or ""} if k in turns else m for k, m in enumerate(messages)]
+    """The conversation as the server was sent it: the target's replies without their thinking
+    (their tool calls kept: the next turn answers them)."""
+    return [_without_thinking(m) if k in turns else m for k, m in enumerate(messages)]
+
+
+def _without_thinking(message: dict[str, Any]) -> dict[str, Any]:
+    sent = {"role": message["role"], "content": message.get("content") or ""}
+    return {**sent, "tool_calls": message["tool_calls"]} if message.get("tool_calls") else sent
 
 
 class SampleBuilder:
@@ -149,6 +155,31 @@ class SampleBuilder:
         """The template's kwargs as the server passed them: the thinking switch, and the row's tools."""
         return {**self.kwargs[thinking], "tools": tools} if tools else self.kwargs[thinking]
 
+    def _rendered_call(
+        self,
+        fmt: ReplyFormat,
+        history: list[dict[str, Any]],
+        reply: dict[str, Any],
+        prompt: list[int],
+        kwargs: dict[str, Any],
+        thought: str | None,
+        split: bool,
+    ) -> tuple[list[int], int, bool]:
+        """A reply that calls tools, without the server's ids: the tokens the target's template
+        gives it after the prompt (the calls in the template's own syntax), up to its turn end;
+        (ids, how many are thinking, False: not the server's)."""
+        full = render_ids(self.tokenizer, [*history, reply], **kwargs)
+        ids = full[len(prompt) :]
+        ends = [i for i, token in enumerate(ids) if token in self.stop_ids]
+        ids = ids[: ends[0] + 1] if ends else ids
+        boundary = self._thinking_end(fmt, ids, thought)
+        if full[: len(prompt)] != prompt or (split and boundary is None):
+            raise PrepareError(
+                f"turn {len(history)} calls tools and the template cannot show it after its prompt as the target wrote it; "
+                "generate from a server that returns token ids (vLLM)"
+            )
+        return ids, boundary or 0, False
+
     def build(
         self,
         messages: list[dict[str, Any]],
@@ -178,15 +209,16 @@ class SampleBuilder:
                 thought = None  # not trained, and this template has no place for it: left out
             last = k == len(messages) - 1
             prompt = render_ids(self.tokenizer, sent[:k], generation_prompt=True, **kwargs)
+            exact_ids = exact if last and exact else (exact_turns or {}).get(k)
             try:
-                ids, thinking_ids, is_exact = self.reply_ids(
-                    fmt,
-                    thought,
-                    answer,
-                    exact if last and exact else (exact_turns or {}).get(k),
-                    finished or not last,
-                    split=untrained_thinking,
-                )
+                if messages[k].get("tool_calls") and not exact_ids:
+                    ids, thinking_ids, is_exact = self._rendered_call(
+                        fmt, sent[:k], messages[k], prompt, kwargs, thought, untrained_thinking
+                    )
+                else:
+                    ids, thinking_ids, is_exact = self.reply_ids(
+                        fmt, thought, answer, exact_ids, finished or not last, split=untrained_thinking
+                    )
             except Unrepresentable as exc:
                 raise PrepareError(
                     f"turn {k}: {exc}, so the target's thinking cannot be trained as it wrote it; "
