@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Callable
 
 from pipeline.config import RunConfig
+from pipeline.cpus import apply_torch_threads
 from pipeline.protocol.events import Ack, Command, Pause, Resume, StageStatus
 from pipeline.protocol.host import StageHost
 from pipeline.training.context import StageContext, StageKilled
@@ -46,6 +47,10 @@ class ComputeStages:
             await asyncio.to_thread(import_for_concurrent_stages)
             if self._killed:  # a kill during the import found no stage to stop
                 return False
+        # one thread team per stage running, each sized to the cores left to it: torch's default (every
+        # core) spins threads at each barrier against whatever else holds a core (bench/cpu_threads.py)
+        threads, why = await asyncio.to_thread(apply_torch_threads, 1 / len(names))
+        self.host.log("info", f"{' and '.join(names)}: {threads} torch thread{'s' if threads > 1 else ''} ({why})")
         tasks = {asyncio.create_task(self._run_stage(name), name=f"stage {name}"): name for name in names}
         pending, all_done = set(tasks), True
         while pending:

@@ -55,8 +55,9 @@ class ModelServer:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if threads:
-            torch.set_num_threads(threads)
+        from pipeline.cpus import torch_threads
+
+        torch.set_num_threads(threads or torch_threads()[0])  # the cores it gets, not every core it sees
         self.torch = torch
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)  # transformers' own types are too loose to check against
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
