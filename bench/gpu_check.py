@@ -155,6 +155,58 @@ def check_train(args, model, config, aux_layers, aux, final, device, dtype):
         print(f"train: peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
 
 
+def check_fused_attention(args, model, config, aux_layers, aux, final, device, dtype):
+    """The TTT attention's fused (flex_attention) and eager paths: the same loss and gradients."""
+    import torch
+
+    from pipeline.training.modeling import drafter as drafter_module
+    from pipeline.training.modeling.drafter import Eagle3Drafter
+    from pipeline.training.modeling.drafter_config import drafter_config_from_target
+    from pipeline.training.train.loss import Eagle3Objective
+
+    torch.manual_seed(1)
+    draft = min(args.draft_vocab, args.vocab)
+    drafter = Eagle3Drafter(drafter_config_from_target(config, draft_vocab_size=draft, aux_layers=aux_layers)).to(device)
+    chosen = torch.sort(torch.randperm(args.vocab)[:draft]).values
+    t2d = torch.zeros(args.vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    drafter.set_vocab((chosen - torch.arange(draft)).to(device), t2d.to(device))
+    objective = Eagle3Objective(drafter, model.lm_head.weight.detach().float(), ttt_length=args.ttt, step_weight=0.8, head_chunk=32768)
+    seq = args.seq
+    lengths = torch.tensor([seq, seq - 300], device=device)
+    batch = {
+        "input_ids": torch.randint(0, args.vocab, (2, seq), device=device),
+        "aux": aux[: 2 * seq].reshape(2, seq, -1).to(device),
+        "final": final[: 2 * seq].reshape(2, seq, -1).to(device),
+        "loss_mask": (torch.arange(seq, device=device)[None, :] < lengths[:, None]).long(),
+        "lengths": lengths,
+    }
+    results = {}
+    for fused in (False, True):
+        drafter_module.Attention.fused = fused
+        drafter.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, _, _ = objective(batch)
+        loss.backward()
+        results[fused] = (float(loss.detach()), torch.cat([p.grad.flatten().float() for p in drafter.parameters() if p.grad is not None]))
+        timed = []
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss, _, _ = objective(batch)
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            timed.append(time.perf_counter() - started)
+        print(f"{'fused' if fused else 'eager'} attention: loss {results[fused][0]:.5f}, forward+backward {min(timed) * 1000:.0f} ms")
+    drafter_module.Attention.fused = True
+    (eager_loss, eager_grad), (fused_loss, fused_grad) = results[False], results[True]
+    relative = float((fused_grad - eager_grad).norm() / eager_grad.norm().clamp(min=1e-12))
+    print(f"fused vs eager: loss {fused_loss - eager_loss:+.2e}, gradient relative difference {relative:.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=4096)
@@ -183,6 +235,7 @@ def main() -> None:
     extracted = _part("extract", lambda: check_extract(args, model, device, dtype))
     if extracted is not None:
         _part("train", lambda: check_train(args, model, config, *extracted, device, dtype))
+        _part("TTT attention: fused against eager", lambda: check_fused_attention(args, model, config, *extracted, device, dtype))
     print("\ngpu_check: done", flush=True)
 
 

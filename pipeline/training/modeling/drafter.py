@@ -16,7 +16,6 @@ position's keys of steps 1..i: the attention pattern of drafting i tokens ahead 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from pipeline.errors import InputError
 from pipeline.training.artifacts import DRAFT_VOCAB
 from pipeline.training.modeling.drafter_config import drafter_config_from_target
 from pipeline.training.modeling.target import head_and_embeddings, head_rows, load_target_config, require_target
+from pipeline.training.modeling.ttt_attention import flex_available, ttt_attention
 
 __all__ = ["EXPORTED_PREFIXES", "DraftCache", "Eagle3Drafter", "build_drafter", "load_exported"]
 
@@ -68,6 +68,8 @@ class DraftCache:
 
 
 class Attention(nn.Module):
+    fused = True  # flex_attention where it can run (CUDA): ``ttt_attention``
+
     def __init__(self, config):
         super().__init__()
         self.heads = config.num_attention_heads
@@ -101,24 +103,8 @@ class Attention(nn.Module):
             v = v.repeat_interleave(rep, dim=1)
         cache.keys.append(k)
         cache.values.append(v)
-        k0, v0 = cache.keys[0], cache.values[0]
-        s0 = k0.shape[2]
-        # step-0 keys: causal in absolute position, minus padding
-        allowed = torch.arange(s0, device=x.device)[None, :] <= query_positions[:, None]  # [t, s0]
-        allowed = allowed[None, None]
-        if key_padding is not None:
-            allowed = allowed & key_padding[:, None, None, :]
-        if len(cache.keys) == 1:
-            out = F.scaled_dot_product_attention(q, k0, v0, attn_mask=allowed)
-        else:
-            scale = 1.0 / math.sqrt(self.head_dim)
-            scores = torch.matmul(q, k0.transpose(2, 3)) * scale
-            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-            diagonal = [(q * kj).sum(-1, keepdim=True) * scale for kj in cache.keys[1:]]
-            weights = torch.softmax(torch.cat([scores, *diagonal], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
-            out = torch.matmul(weights[..., :s0], v0)
-            for j, vj in enumerate(cache.values[1:]):
-                out = out + weights[..., s0 + j : s0 + j + 1] * vj
+        flex = self.fused and flex_available(x)
+        out = ttt_attention(q, cache.keys, cache.values, query_positions, key_padding, flex=flex)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
