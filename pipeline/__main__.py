@@ -39,7 +39,8 @@ def run_on_every_rank(config: RunConfig, stage: str) -> int:
     ctx = StageContext(stage, emit, rank=int(os.environ.get("RANK", "0")))
     from pipeline.cpus import apply_torch_threads
 
-    apply_torch_threads(1 / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))  # the node's cores shared by its ranks
+    # the node's cores shared by its ranks (not measured: the sibling ranks starting now would count as neighbours)
+    apply_torch_threads(1 / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), others=0.0)
     try:
         stage_functions()[stage](config, ctx)
     except StageKilled:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 __all__ = ["apply_torch_threads", "available_cores", "busy_elsewhere", "torch_threads"]
@@ -44,20 +45,24 @@ def available_cores() -> float:
 
 
 def busy_elsewhere(sample_s: float = 0.2) -> float:
-    """Cores other processes kept busy over a short sample (the machine's use less our own)."""
+    """Cores other processes kept busy over a short sample, counted on the cores this process may
+    run on only (a container's neighbours on other cores take nothing from it), less our own use."""
     try:
         import psutil
     except ImportError:
         return 0.0
+    try:
+        mine_cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        mine_cores = list(range(psutil.cpu_count() or 1))
     me = psutil.Process()
     mine_before = sum(me.cpu_times()[:2])
-    psutil.cpu_percent(None)
-    import time
-
+    psutil.cpu_percent(None, percpu=True)
     time.sleep(sample_s)
-    machine = psutil.cpu_percent(None) / 100 * (psutil.cpu_count() or 1)
+    per_core = psutil.cpu_percent(None, percpu=True)
+    used = sum(per_core[c] for c in mine_cores if c < len(per_core)) / 100
     mine = (sum(me.cpu_times()[:2]) - mine_before) / sample_s
-    return max(0.0, machine - mine)
+    return max(0.0, used - mine)
 
 
 def torch_threads(share: float = 1.0, *, others: float | None = None) -> tuple[int, str]:
@@ -72,10 +77,10 @@ def torch_threads(share: float = 1.0, *, others: float | None = None) -> tuple[i
     return threads, f"{cores:g} cores{f' x {share:g}' if share != 1 else ''}, {busy:.1f} busy elsewhere"
 
 
-def apply_torch_threads(share: float = 1.0) -> tuple[int, str]:
+def apply_torch_threads(share: float = 1.0, *, others: float | None = None) -> tuple[int, str]:
     """Set torch's intra-op threads for this process from ``torch_threads``; (count, why)."""
     import torch
 
-    threads, why = torch_threads(share)
+    threads, why = torch_threads(share, others=others)
     torch.set_num_threads(threads)
     return threads, why

@@ -184,3 +184,35 @@ def test_llama_factory_tool_rows_become_calls_and_results():
             "function": {"name": "calculate_area", "description": "Area of a shape", "parameters": {"type": "object", "properties": {}}},
         },
     )
+
+
+def test_tools_go_out_with_the_request_and_a_new_call_ends_a_regenerated_chat():
+    import asyncio
+    from types import SimpleNamespace
+
+    from pipeline.config import EndpointConfig, SamplingConfig
+    from pipeline.generate.client import ChatClient, Completion
+    from pipeline.generate.conversation import regenerate_all
+
+    sampling = SamplingConfig()
+    for kind, choice in (("vllm", "none"), ("openrouter", None)):  # vLLM's "auto" needs a parser flag; "none" still renders them
+        endpoint = SimpleNamespace(config=EndpointConfig(base_url="http://127.0.0.1:1/v1", model="m", kind=kind))
+        body = json.loads(
+            ChatClient._body(SimpleNamespace(sampling=sampling), endpoint, ({"role": "user", "content": "q"},), "keep", (WEATHER,))
+        )
+        assert body["tools"] == [WEATHER] and body.get("tool_choice") == choice
+
+    class Client:
+        async def complete(self, messages, **kwargs):
+            assert kwargs["tools"] == (WEATHER,)
+            call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+            return Completion("", "tool_calls", 3, 4, "server", "ep", 0.1, 1, tool_calls=(call,))
+
+    turns = (
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "two"},
+        {"role": "assistant", "content": "y"},
+    )
+    kept, _, written = asyncio.run(regenerate_all(Client(), turns, "keep", tools=(WEATHER,)))
+    assert written == [1] and len(kept) == 2 and kept[1]["tool_calls"][0]["function"]["name"] == "get_weather"

@@ -261,3 +261,29 @@ def test_hub_shard_names_give_their_split(tmp_path):
     assert [s.path.name for s in find_shards(tmp_path, "test_sft")] == ["test_sft-00000-of-00001-0a1b2c3d.parquet"]
     with pytest.raises(InputError, match=r"several splits \(test_sft, train_gen, train_sft\); choose one with `split`"):
         find_shards(tmp_path)
+
+
+def test_what_a_review_found_in_the_readers(tmp_path):
+    """A `.json` of one object a line is JSONL (as before); a folder whose files name no split
+    reads them all; an empty turn mid-chat is a turn; bare tool calls take OpenAI's shape."""
+    (tmp_path / "lines.json").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert [i.messages[0]["content"] for i in SourceReader(tmp_path / "lines.json")] == ["a", "b"]
+    assert Source(tmp_path / "lines.json").is_single_jsonl()  # an older run's byte fingerprint still holds
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for name in ("shard_0.jsonl", "shard_1.jsonl", "test.jsonl"):
+        (folder / name).write_text('{"prompt": "x"}\n')
+    (folder / "dataset_infos.json").write_text("{}")
+    assert sorted(s.path.name for s in find_shards(folder)) == ["shard_0.jsonl", "shard_1.jsonl", "test.jsonl"]
+    assert [s.path.name for s in find_shards(folder, "test")] == ["test.jsonl"]
+    row = {"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "hi"}, {"from": "human", "value": "q"}]}
+    (tmp_path / "empty.jsonl").write_text(json.dumps(row) + "\n")
+    (item,) = SourceReader(tmp_path / "empty.jsonl", "sharegpt")
+    assert isinstance(item, Prompt) and [m["content"] for m in item.messages] == ["", "hi", "q"]
+    calls = {"messages": [{"role": "user", "content": "w?"}, {"role": "assistant", "content": None, "tool_calls": [{"name": "f", "arguments": {"a": 1}}, {"name": "g"}]},
+             {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}, {"role": "user", "content": "and?"}]}  # fmt: skip
+    (tmp_path / "calls.jsonl").write_text(json.dumps(calls) + "\n")
+    (item,) = SourceReader(tmp_path / "calls.jsonl", "openai")
+    made = item.messages[1]["tool_calls"]
+    assert made[0] == {"id": "call_1_0", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    assert [item.messages[2]["tool_call_id"], item.messages[3]["tool_call_id"]] == ["call_1_0", "call_1_1"]

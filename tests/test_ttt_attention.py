@@ -31,8 +31,8 @@ def test_flex_equals_eager_at_every_ttt_step_with_padding(uncompiled_flex, steps
 
 
 def test_flex_is_chosen_on_cuda_only_and_never_for_one_query():
-    assert not attention.flex_available(torch.zeros(1, 8, 4))
-    assert not attention.flex_available(torch.zeros(1, 1, 4))
+    assert not attention.flex_available(torch.zeros(1, 8, 4), 3)
+    assert not attention.flex_available(torch.zeros(1, 1, 4), 3)
 
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent

@@ -172,6 +172,8 @@ class ChatClient:
         }
         if tools:  # the row's tool schemas: the server's template renders them as the target always sees them
             body["tools"] = list(tools)
+            if ep.kind in ("vllm", "sglang"):  # "auto" needs a tool-call parser flag on the server; "none" still renders them
+                body.setdefault("tool_choice", "none")
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
     def backoff(self, attempt: int, retry_after: float | None) -> float:

@@ -84,4 +84,6 @@ async def regenerate_all(
             )
             written.append(len(kept))
             kept.append(assistant_turn(completion))
+            if completion.tool_calls:  # a call the original never made: no later turn answers it, so the record ends here
+                break
     return kept, _combined(completions), written

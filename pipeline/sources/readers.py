@@ -12,9 +12,11 @@ before it, or saying where it cannot:
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ from typing import Any, BinaryIO
 
 from pipeline.errors import InputError
 
-__all__ = ["RawRow", "Shard", "read_shard"]
+__all__ = ["RawRow", "Shard", "read_shard", "sniffed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,15 @@ class RawRow:
     number: int  # 1-based line (JSONL) or row in the shard
     value: Any
     error: str | None = None
+
+
+def sniffed(shard: Shard) -> Shard:
+    """A ``.json`` file that is JSONL (one object a line, as many datasets name it) reads as JSONL."""
+    if shard.kind != "json":
+        return shard
+    with _open_text_bytes(shard) as stream:
+        head = stream.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return shard if head.startswith(b"[") or not head else Shard(shard.path, "jsonl", shard.compression)
 
 
 def read_shard(shard: Shard, within: int) -> Iterator[RawRow]:
@@ -104,65 +115,83 @@ def _jsonl_rows(shard: Shard, within: int) -> Iterator[RawRow]:
                 yield RawRow(here, offset, number, None, f"invalid JSON ({getattr(exc, 'msg', exc)})")
 
 
+_SEPARATORS = re.compile(r"[\s,]*")
+_ITEM_LIMIT = 64 << 20  # characters one array item may take before a parse error is final
+
+
+class _Window:
+    """A JSON array's text read in chunks: a str with a cursor (no copy per item), the byte
+    offset of the cursor, and an incremental UTF-8 decoder (a character split across two chunks
+    is whole; an invalid byte is an error where it stands)."""
+
+    def __init__(self, stream: BinaryIO, offset: int):
+        self.stream, self.offset = stream, offset
+        self.decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        self.text, self.cursor, self.eof = "", 0, False
+
+    def fill(self) -> bool:
+        if self.eof:
+            return False
+        chunk = self.stream.read(1 << 20)
+        self.eof = not chunk
+        if self.cursor > len(self.text) // 2:  # drop what was read, now and then, not per item
+            self.text, self.cursor = self.text[self.cursor :], 0
+        self.text += self.decoder.decode(chunk, final=self.eof)
+        return bool(chunk)
+
+    def advance(self, end: int) -> None:
+        self.offset += len(self.text[self.cursor : end].encode("utf-8"))
+        self.cursor = end
+
+    def skip_separators(self) -> None:
+        while True:
+            self.advance(_SEPARATORS.match(self.text, self.cursor).end())  # type: ignore[union-attr]
+            if self.cursor < len(self.text) or not self.fill():
+                return
+
+
 def _json_array_rows(shard: Shard, within: int) -> Iterator[RawRow]:
-    """The items of a top-level JSON array, one at a time in bounded memory: each is decoded
-    from a window of the file, so a resume seeks to its first byte. ``within`` 0 is the start
-    of the file (the ``[`` is skipped); else the first byte of an item."""
+    """The items of a top-level JSON array, one at a time in bounded memory (the window holds
+    the item being read, not the file), so a resume seeks to an item's first byte. ``within`` 0
+    is the start of the file (the ``[`` is skipped); else the first byte of an item. A file
+    that stops being valid JSON ends with a row naming where: nothing after it can be trusted."""
     decoder = json.JSONDecoder()
     with _open_text_bytes(shard) as stream:
         _skip(stream, within, shard)
-        buffer, offset, number, eof = b"", within, 0, False
-
-        def fill() -> bool:
-            nonlocal buffer, eof
-            chunk = stream.read(1 << 20)
-            eof = not chunk
-            buffer += chunk
-            return bool(chunk)
-
-        def skip_separators(opening: bool) -> None:
-            nonlocal buffer, offset
-            while True:
-                stripped = buffer.lstrip(b" \t\r\n," if not opening else b" \t\r\n\xef\xbb\xbf")
-                offset += len(buffer) - len(stripped)
-                buffer = stripped
-                if buffer or not fill():
+        window, number = _Window(stream, within), 0
+        try:
+            window.fill()
+            if within == 0:
+                window.advance(len(window.text) - len(window.text.lstrip("\ufeff \t\r\n")))
+                if not window.text.startswith("[", window.cursor):
+                    yield RawRow(
+                        0, window.offset, 1, None, "not a JSON array (a `.json` source is `[{...}, {...}]`, or JSONL: one object a line)"
+                    )
                     return
-
-        if within == 0:
-            skip_separators(True)
-            if not buffer.startswith(b"["):
-                yield RawRow(
-                    0, offset, 1, None, "not a JSON array (a `.json` source is `[{...}, {...}]`; use .jsonl for one object a line)"
-                )
-                return
-            buffer, offset = buffer[1:], offset + 1
-        while True:
-            skip_separators(False)
-            if not buffer or buffer.startswith(b"]"):
-                return
-            number += 1
+                window.advance(window.cursor + 1)
             while True:
-                try:
-                    text = buffer.decode("utf-8", errors="strict")
-                except UnicodeDecodeError as exc:
-                    text = buffer[: exc.start].decode("utf-8") if not eof and exc.start > len(buffer) - 4 else None  # type: ignore[assignment]
-                    if text is None:
-                        yield RawRow(offset, offset + len(buffer), number, None, f"not UTF-8 at byte {offset + exc.start}")
+                window.skip_separators()
+                if window.cursor >= len(window.text) or window.text.startswith("]", window.cursor):
+                    return
+                number += 1
+                while True:
+                    try:
+                        value, end = decoder.raw_decode(window.text, window.cursor)
+                    except json.JSONDecodeError as exc:
+                        if len(window.text) - window.cursor < _ITEM_LIMIT and window.fill():
+                            continue  # an item cut at the window's edge (or bad): read on, up to the limit
+                        yield RawRow(
+                            window.offset, window.offset + 1, number, None, f"invalid JSON ({exc.msg}); the rest of the file is not read"
+                        )
                         return
-                try:
-                    value, end = decoder.raw_decode(text)
-                except json.JSONDecodeError as exc:
-                    if not eof and fill():
-                        continue
-                    yield RawRow(offset, offset + len(buffer), number, None, f"invalid JSON ({exc.msg})")
-                    return
-                if end == len(text) and not eof and fill():
-                    continue  # a number or literal cut at the window's edge may go on
-                size = len(text[:end].encode("utf-8"))
-                yield RawRow(offset, offset + size, number, value)
-                buffer, offset = buffer[size:], offset + size
-                break
+                    if end == len(window.text) and window.fill():
+                        continue  # a number or literal cut at the window's edge may go on
+                    start = window.offset
+                    window.advance(end)
+                    yield RawRow(start, window.offset, number, value)
+                    break
+        except UnicodeDecodeError as exc:
+            yield RawRow(window.offset, window.offset + 1, number or 1, None, f"not UTF-8 ({exc.reason}); the rest of the file is not read")
 
 
 def _parquet_rows(path: Path, within: int) -> Iterator[RawRow]:

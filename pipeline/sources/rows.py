@@ -77,11 +77,12 @@ def _get(row: Any, dotted: str) -> Any:
     return value
 
 
-def _first(row: Any, candidates: tuple[str, ...]) -> tuple[str, Any]:
-    """(the first candidate the row has with a value, that value), or ("", _MISSING)."""
+def _first(row: Any, candidates: tuple[str, ...], *, empty_ok: bool = False) -> tuple[str, Any]:
+    """(the first candidate the row has with a value, that value), or ("", _MISSING). ``empty_ok``:
+    an empty string is a value (a turn's text may be empty; an id or a prompt may not)."""
     for name in candidates:
         value = _get(row, name)
-        if value is not _MISSING and value is not None and value != "":
+        if value is not _MISSING and value is not None and (empty_ok or value != ""):
             return name, value
     return "", _MISSING
 
@@ -95,6 +96,23 @@ def prompt_id_for(messages: tuple[dict[str, Any], ...], tools: tuple[dict[str, A
     return "h" + hashlib.blake2b(canonical.encode("utf-8"), digest_size=12).hexdigest()
 
 
+def _call(call: Any, where: str, turn: int, i: int) -> dict[str, Any]:
+    """One tool call in OpenAI's shape (``{id, type: function, function: {name, arguments}}``,
+    arguments as JSON text), from that shape or a bare ``{name, arguments}``."""
+    function = call.get("function") if isinstance(call, dict) and isinstance(call.get("function"), dict) else call
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RowError(where, "a tool call needs a name ({name, arguments} or OpenAI's {type: function, function: {...}})")
+    arguments = function.get("arguments", {})
+    return {
+        "id": str(call.get("id") or f"call_{turn}_{i}"),
+        "type": "function",
+        "function": {
+            "name": function["name"],
+            "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+        },
+    }
+
+
 def _tool_call(value: str, where: str, index: int) -> dict[str, Any]:
     """LLaMA-Factory's ``function_call`` turn: ``{"name": ..., "arguments": {...}}`` as JSON text."""
     try:
@@ -102,25 +120,16 @@ def _tool_call(value: str, where: str, index: int) -> dict[str, Any]:
     except json.JSONDecodeError:
         raise RowError(where, "a function_call turn must hold a JSON {name, arguments} object") from None
     calls = call if isinstance(call, list) else [call]
-    if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-        raise RowError(where, "a function_call turn must hold a JSON {name, arguments} object")
-    return {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "id": f"call_{index}_{i}",
-                "type": "function",
-                "function": {
-                    "name": c["name"],
-                    "arguments": c["arguments"]
-                    if isinstance(c.get("arguments"), str)
-                    else json.dumps(c.get("arguments", {}), ensure_ascii=False),
-                },
-            }
-            for i, c in enumerate(calls)
-        ],
-    }
+    return {"role": "assistant", "content": "", "tool_calls": [_call(c, where, index, i) for i, c in enumerate(calls)]}
+
+
+def _answered_call(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``tool_call_id`` a tool result answers: the k-th result after a call turn, its k-th call."""
+    k = 0
+    while k < len(turns) and turns[-1 - k]["role"] == "tool":
+        k += 1
+    calls = turns[-1 - k].get("tool_calls") if k < len(turns) else None
+    return {"tool_call_id": calls[min(k, len(calls) - 1)]["id"]} if calls else {}
 
 
 def _turns(raw: Any, key: str, fields: FieldMap) -> list[dict[str, Any]]:
@@ -133,7 +142,7 @@ def _turns(raw: Any, key: str, fields: FieldMap) -> list[dict[str, Any]]:
         if not isinstance(turn, dict):
             raise RowError(where, "expected an object")
         role_key, role = _first(turn, fields.role)
-        content_key, content = _first(turn, fields.content)
+        content_key, content = _first(turn, fields.content, empty_ok=True)
         if not isinstance(role, str):
             raise RowError(f"{where}.{role_key or fields.role[0]}", f"missing or not a string (the turn has: {_has(turn)})")
         mapped = roles.get(role.lower())
@@ -146,11 +155,10 @@ def _turns(raw: Any, key: str, fields: FieldMap) -> list[dict[str, Any]]:
             content = ""  # a turn that only calls tools, or an empty system prompt
         if not isinstance(content, str):
             raise RowError(f"{where}.{content_key or fields.content[0]}", f"missing or not a string (the turn has: {_has(turn)})")
-        if mapped == "tool" and turns and turns[-1].get("tool_calls") and "tool_call_id" not in turn:
-            extra = {"tool_call_id": turns[-1]["tool_calls"][0]["id"]}  # a result answers the call before it
-        else:
-            extra = {}
+        extra = _answered_call(turns) if mapped == "tool" and "tool_call_id" not in turn else {}
         carried = {k: _json_text(turn[k], f"{where}.{k}") for k in _TOOL_KEYS if k in turn and turn[k] is not None}
+        if isinstance(carried.get("tool_calls"), list):
+            carried["tool_calls"] = [_call(c, f"{where}.tool_calls[{j}]", i, j) for j, c in enumerate(carried["tool_calls"])]
         turns.append({"role": mapped, "content": _text(content, f"{where}.{content_key}"), **carried, **extra})
     return turns
 
@@ -173,7 +181,7 @@ def _tools(row: dict[str, Any], fields: FieldMap) -> tuple[dict[str, Any], ...] 
         return None
     tools = []
     for i, tool in enumerate(raw):
-        function = tool.get("function") if tool.get("type") == "function" else tool
+        function = tool.get("function") if isinstance(tool.get("function"), dict) else {k: v for k, v in tool.items() if k != "type"}
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise RowError(
                 f"{name}[{i}]", "a tool schema needs a name (OpenAI's {type: function, function: {name, ...}} or a bare {name, ...})"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import InputError
-from pipeline.sources.readers import RawRow, Shard, read_shard
+from pipeline.sources.readers import RawRow, Shard, read_shard, sniffed
 
 __all__ = ["SHARD_BITS", "RawRow", "Shard", "Source", "find_shards", "position", "split_position"]
 
@@ -34,6 +35,7 @@ _FINGERPRINT_SPAN = 4096
 _KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _COMPRESSED = {".gz": "gz", ".zst": "zst", ".zstd": "zst"}
 _SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
+_METADATA = {"dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json"}  # the datasets library's, not rows
 _SKIPPED_DIRS = {".git", ".cache", ".huggingface", "__pycache__"}
 
 
@@ -116,15 +118,17 @@ def _folder(folder: Path, split: str | None) -> list[Path]:
     files = []
     for root, dirs, names in os.walk(folder, followlinks=True):  # a hub snapshot's files are links into blobs/
         dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS and not d.startswith("."))
-        files += [Path(root) / n for n in names if _kind(Path(n)) is not None and not n.startswith(".")]
+        files += [Path(root) / n for n in names if _kind(Path(n)) is not None and not n.startswith(".") and n not in _METADATA]
     if not files:
         raise InputError(f"{folder}: no data files (.jsonl, .json, .parquet, .arrow, compressed .gz/.zst) in this folder")
     by_split: dict[str | None, list[Path]] = {}
     for file in files:
         by_split.setdefault(_split_of(file.relative_to(folder)), []).append(file)
     named = [s for s in by_split if s is not None]
-    chosen = _choose_split(named, split, folder) if named else None
-    return by_split.get(chosen, []) if named else files
+    if split is None and None in by_split:  # not a folder of splits (some files name none): every file
+        return files
+    chosen = _choose_split(named, split, folder)
+    return by_split.get(chosen, [])
 
 
 def find_shards(path: Path, split: str | None = None) -> list[Shard]:
@@ -143,7 +147,7 @@ def find_shards(path: Path, split: str | None = None) -> list[Shard]:
     shards = []
     for p in sorted(paths, key=_natural):
         kind, compression = _kind(p) or ("jsonl", None)  # a single file of another name: JSONL, as always
-        shards.append(Shard(p, kind, compression))
+        shards.append(sniffed(Shard(p, kind, compression)))
     return shards
 
 
@@ -176,7 +180,10 @@ class Source:
     def label(self, shard: int) -> str:
         """How records and errors name a shard: its path relative to the source folder."""
         path = self.shards[shard].path
-        base = self.path if self.path.is_dir() else self.path.parent
+        if glob.has_magic(str(self.path)):  # the folder the pattern starts from: `data/**/*.jsonl` -> data
+            base = Path(*[part for part in itertools.takewhile(lambda p: not glob.has_magic(p), self.path.parts)])
+        else:
+            base = self.path if self.path.is_dir() else self.path.parent
         try:
             return str(path.relative_to(base))
         except ValueError:

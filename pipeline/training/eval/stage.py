@@ -89,6 +89,8 @@ def _work(config: RunConfig, ctx: StageContext, tokenizer: Any, thinking: str) -
         ctx.progress(done, total, "questions", force=done == total)
 
     def held_out(decode: Decode) -> list[list[int]]:
+        nonlocal done
+        done = 0  # each backend pass (served: with the drafter, then without) counts from the start
         outputs = []
         for prompt in prompts:
             outputs.append(decode(prompt))

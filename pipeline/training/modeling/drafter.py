@@ -103,7 +103,7 @@ class Attention(nn.Module):
             v = v.repeat_interleave(rep, dim=1)
         cache.keys.append(k)
         cache.values.append(v)
-        flex = self.fused and flex_available(x)
+        flex = self.fused and flex_available(x, len(cache.keys))
         out = ttt_attention(q, cache.keys, cache.values, query_positions, key_padding, flex=flex)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 

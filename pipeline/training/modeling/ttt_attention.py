@@ -30,12 +30,16 @@ def _compiled() -> tuple[Any, Any] | None:
         return None
     import torch._dynamo
 
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one graph per TTT step's key length
-    return torch.compile(flex_attention, dynamic=False), create_block_mask
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # dynamic shapes after the first recompile (batches are padded to their own longest sample),
+    # and the block mask built compiled, never as a dense [t, keys] tensor, as SpecForge builds them
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
 
 
-def flex_available(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.shape[1] > 1 and _compiled() is not None
+def flex_available(x: torch.Tensor, steps: int) -> bool:
+    """Fused for TTT steps past the first, with many queries (training); step 0 is plain causal
+    SDPA already, and inference's drafts are one query each."""
+    return x.is_cuda and x.shape[1] > 1 and steps > 1 and _compiled() is not None
 
 
 def _prefix_mask(query_positions: torch.Tensor, key_padding: torch.Tensor | None, s0: int, device: torch.device) -> torch.Tensor:
