@@ -149,8 +149,10 @@ def test_bad_rows_are_named_by_file_and_row(tmp_path):
     (tmp_path / "broken.json").write_text('[{"prompt": "a"}, {"prompt": ')
     items = list(SourceReader(tmp_path / "broken.json"))
     assert isinstance(items[0], Prompt) and isinstance(items[1], BadLine) and "invalid JSON" in items[1].reason
-    (tmp_path / "object.json").write_text('{"prompt": "a"}')
-    assert "not a JSON array" in list(SourceReader(tmp_path / "object.json"))[0].reason
+    (tmp_path / "object.json").write_text('{"prompt": "a"}')  # one object: JSONL of one line, as eagleops always read it
+    assert [i.messages[0]["content"] for i in SourceReader(tmp_path / "object.json")] == ["a"]
+    (tmp_path / "number.json").write_text("42")
+    assert list(SourceReader(tmp_path / "number.json"))[0].reason == "expected an object, got int"
 
 
 def test_a_json_array_item_larger_than_the_read_window(tmp_path):

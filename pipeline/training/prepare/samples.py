@@ -14,7 +14,6 @@ each reply is a sample of its own, as the target saw it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,30 +68,12 @@ def _target_turns(messages: list[dict[str, Any]], trained: Collection[int] | Non
 def _as_sent(messages: list[dict[str, Any]], turns: Collection[int]) -> list[dict[str, Any]]:
     """The conversation as the server was sent it: the target's replies without their thinking
     (their tool calls kept: the next turn answers them)."""
-    return [_parsed_calls(_without_thinking(m) if k in turns else m) for k, m in enumerate(messages)]
+    return [_without_thinking(m) if k in turns else m for k, m in enumerate(messages)]
 
 
 def _without_thinking(message: dict[str, Any]) -> dict[str, Any]:
     sent = {"role": message["role"], "content": message.get("content") or ""}
     return {**sent, "tool_calls": message["tool_calls"]} if message.get("tool_calls") else sent
-
-
-def _parsed_calls(message: dict[str, Any]) -> dict[str, Any]:
-    """Tool calls as vLLM hands them to the template: ``arguments`` parsed from JSON text into an
-    object (a template that writes ``arguments | tojson`` would otherwise quote the text again)."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    parsed = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
-            except json.JSONDecodeError:
-                pass  # left as the text it is, as vLLM leaves it
-        parsed.append(call)
-    return {**message, "tool_calls": parsed}
 
 
 class SampleBuilder:
@@ -187,7 +168,7 @@ class SampleBuilder:
         """A reply that calls tools, without the server's ids: the tokens the target's template
         gives it after the prompt (the calls in the template's own syntax), up to its turn end;
         (ids, how many are thinking, False: not the server's)."""
-        full = render_ids(self.tokenizer, [*history, _parsed_calls(reply)], **kwargs)
+        full = render_ids(self.tokenizer, [*history, reply], **kwargs)
         ids = full[len(prompt) :]
         ends = [i for i, token in enumerate(ids) if token in self.stop_ids]
         ids = ids[: ends[0] + 1] if ends else ids
