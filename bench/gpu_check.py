@@ -105,7 +105,8 @@ def _mfu(flops_per_s: float) -> None:
     print(f"         {flops_per_s / 1e12:.2f} TFLOPS achieved; {share}")
 
 
-def check_train(args, model, config, aux_layers, aux, final, device, dtype):
+def _drafter_and_objective(args, model, config, aux_layers, device):
+    """A drafter over a random draft vocabulary with the target's embeddings, and its TTT objective."""
     import torch
 
     from pipeline.training.modeling.drafter import Eagle3Drafter
@@ -121,6 +122,13 @@ def check_train(args, model, config, aux_layers, aux, final, device, dtype):
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(model.get_input_embeddings().weight.float())
     objective = Eagle3Objective(drafter, model.lm_head.weight.detach().float(), ttt_length=args.ttt, step_weight=0.8, head_chunk=32768)
+    return drafter, objective
+
+
+def check_train(args, model, config, aux_layers, aux, final, device, dtype):
+    import torch
+
+    drafter, objective = _drafter_and_objective(args, model, config, aux_layers, device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=3e-4)
     seq = args.seq
@@ -160,18 +168,9 @@ def check_fused_attention(args, model, config, aux_layers, aux, final, device, d
     import torch
 
     from pipeline.training.modeling import drafter as drafter_module
-    from pipeline.training.modeling.drafter import Eagle3Drafter
-    from pipeline.training.modeling.drafter_config import drafter_config_from_target
-    from pipeline.training.train.loss import Eagle3Objective
 
     torch.manual_seed(1)
-    draft = min(args.draft_vocab, args.vocab)
-    drafter = Eagle3Drafter(drafter_config_from_target(config, draft_vocab_size=draft, aux_layers=aux_layers)).to(device)
-    chosen = torch.sort(torch.randperm(args.vocab)[:draft]).values
-    t2d = torch.zeros(args.vocab, dtype=torch.bool)
-    t2d[chosen] = True
-    drafter.set_vocab((chosen - torch.arange(draft)).to(device), t2d.to(device))
-    objective = Eagle3Objective(drafter, model.lm_head.weight.detach().float(), ttt_length=args.ttt, step_weight=0.8, head_chunk=32768)
+    drafter, objective = _drafter_and_objective(args, model, config, aux_layers, device)
     seq = args.seq
     lengths = torch.tensor([seq, seq - 300], device=device)
     batch = {
