@@ -111,9 +111,9 @@ def test_the_table_has_a_row_per_set_and_a_column_per_position():
         EvalResult("d", 16, 120, 4, 2.81, [0.7, 0.5, 0.4, 0.3], 0, benchmark="held-out"),
         EvalResult("d", 80, 900, 4, 2.4, [0.6, 0.4, 0.3, 0.2], 0, "vllm", 110.0, 50.0, benchmark="MT-Bench"),
     ]
-    assert benchmark_table(rows[:1]).splitlines()[0].split() == ["benchmark", "questions", "steps", "accept", "p1", "p2", "p3", "p4"]
+    assert benchmark_table(rows[:1]).splitlines()[0].split() == ["benchmark", "n", "steps", "accept", "p1", "p2", "p3", "p4"]
     lines = benchmark_table(rows).splitlines()
-    assert lines[0].split() == ["benchmark", "questions", "steps", "accept", "p1", "p2", "p3", "p4", "tok/s", "plain", "speedup"]
+    assert lines[0].split() == ["benchmark", "n", "steps", "accept", "p1", "p2", "p3", "p4", "tok/s", "plain", "speedup"]
     assert lines[1].split() == ["held-out", "16", "120", "2.81", "0.70", "0.50", "0.40", "0.30", "-", "-", "-"]
     assert lines[2].split()[-3:] == ["110.0", "50.0", "2.20x"]
 

@@ -108,12 +108,13 @@ def _cell(value: float | None, digits: int = 2) -> str:
 
 
 def benchmark_table(results: Sequence[EvalResult]) -> str:
-    """One row per benchmark: questions, verify steps, acceptance length, the acceptance rate at
-    each draft position, and where served, tokens/s with the drafter, without it, and their ratio
-    (columns an offline eval has no figures for are left out: the table fits 80 columns then)."""
+    """One row per benchmark: questions (``n``), verify steps, acceptance length, the acceptance
+    rate at each draft position, and where served, tokens/s with the drafter, without it, and
+    their ratio (columns an offline eval has no figures for are left out: with 4 draft tokens its
+    rows fit the console's log at 80 columns)."""
     positions = max((len(r.acceptance_rate_per_position) for r in results), default=0)
     served = any(r.tok_per_s for r in results)
-    header = ["benchmark", "questions", "steps", "accept", *[f"p{j + 1}" for j in range(positions)]]
+    header = ["benchmark", "n", "steps", "accept", *[f"p{j + 1}" for j in range(positions)]]
     rows = [header + (["tok/s", "plain", "speedup"] if served else [])]
     for r in results:
         rates = [_cell(x) for x in r.acceptance_rate_per_position] + ["-"] * (positions - len(r.acceptance_rate_per_position))
