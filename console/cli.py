@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -218,7 +219,8 @@ def _sources(args: argparse.Namespace) -> int:
     from pipeline.sources.preview import preview_json, preview_sources, render_preview
 
     previews = preview_sources(load_run(args.run_file), max(1, args.rows), args.dataset)
-    print(preview_json(previews) if args.json else render_preview(previews), end="" if not args.json else "\n")
+    width = shutil.get_terminal_size((80, 24)).columns
+    print(preview_json(previews) if args.json else render_preview(previews, max(60, width)), end="" if not args.json else "\n")
     return EXIT_USAGE if any(p.error or (p.bad and not p.rows) for p in previews) else 0
 
 

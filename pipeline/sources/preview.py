@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,11 +79,13 @@ def _clip(text: str, width: int) -> str:
     return flat if len(flat) <= width else flat[: width - 3] + "..."
 
 
-def render_preview(previews: list[SourcePreview], width: int = 100) -> str:
+def render_preview(previews: list[SourcePreview], width: int = 80) -> str:
     out: list[str] = []
     for p in previews:
-        out.append(f"== {p.dataset}: {p.path} (format {p.format})")
-        out.append("   fields: " + ", ".join(f"{k}={v}" for k, v in p.fields.items()))
+        out.append(f"== {p.dataset} (format {p.format})")
+        out.append(f"   path: {p.path}")
+        fields = ", ".join(f"{k}={'|'.join(v) if isinstance(v, list) else v}" for k, v in p.fields.items())
+        out += textwrap.wrap(fields, width, initial_indent="   fields: ", subsequent_indent="           ")
         for shard in p.shards[:5]:
             extra = f", {shard['rows']} rows in {shard['row_groups']} row groups" if "rows" in shard else ""
             out.append(f"   shard {shard['file']} ({shard['kind']}, {shard['bytes']:,} bytes{extra})")
