@@ -131,6 +131,11 @@ class Trackers:
         self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+            # finish() returns while wandb's service may still be writing the run's file (a read
+            # right after saw only its header, 1 time in 6); teardown waits for the service to end
+            import wandb
+
+            wandb.teardown()
 
 
 def _wandb_run(directory: Path, project: str, run_name: str, config: dict[str, Any]) -> Any:
