@@ -18,7 +18,7 @@ from pipeline.servers.vllm import launch_for, read_metrics, vllm_server
 from pipeline.training.artifacts import FeaturesIndex
 from pipeline.training.context import StageContext, StageKilled
 
-from .conftest import KillAt, read_jsonl
+from .conftest import read_jsonl
 from .vllm_support import SERVE as CPU_SERVE
 from .vllm_support import VLLM_MARKS, drafts_of_the_export_served_alone, in_fp32, with_args, worst_feature_diffs
 
@@ -124,15 +124,32 @@ def test_the_speculators_export_loads_alone(whole_run, tmp_path):
     assert drafts_of_the_export_served_alone(drafter, tmp_path / "log", [1, 2, 332, 263, 3], SERVE) > 0
 
 
+class KillInSecondShard(StageContext):
+    """Kills extract at its second wait on vLLM after the first shard is written."""
+
+    def __init__(self, features: Path):
+        super().__init__("extract")
+        self.features, self.seen = features, 0
+
+    def checkpoint(self) -> None:
+        index = FeaturesIndex.read_if_present(self.features)
+        if index is not None and len(index.shards) == 1:
+            self.seen += 1
+            if self.seen == 2:  # the shard loop's own, then the first while the request runs
+                self.kill()
+        super().checkpoint()
+
+
 def test_features_captured_through_vllm_equal_the_hf_backend(whole_run, tmp_path):
-    """The same prepared tokens, through vLLM's model (fp32 here, to compare like with like)."""
+    """The same prepared tokens, through vLLM's model (fp32 here, to compare like with like),
+    a shard's prompts in flight at once and batched by vLLM's scheduler."""
     from pipeline.training.extract.stage import extract
 
     config, _ = whole_run
     shutil.copytree(config.prepared_dir, tmp_path / "out" / "prepared")
     served = _config(tmp_path, config.target.model, serve=in_fp32(SERVE), extract={"backend": "vllm", "shard_samples": 64})
-    with pytest.raises(StageKilled):  # killed during its second shard: vLLM stopped, one shard kept
-        extract(served, KillAt("extract", 70))  # 1 + 64 checkpoints per 64-sample shard
+    with pytest.raises(StageKilled):  # killed while vLLM computes its second shard: one shard kept
+        extract(served, KillInSecondShard(served.features_dir))
     assert len(FeaturesIndex.read(served.features_dir).shards) == 1
     index = extract(served, StageContext("extract"))  # resumes at the second shard
     reference = config.features_dir

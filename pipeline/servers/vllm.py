@@ -18,7 +18,7 @@ from pipeline.errors import ConfigError
 from pipeline.servers.metrics import parse_prometheus
 from pipeline.servers.supervisor import LOOPBACK, Log, SupervisedServer, checked_python
 
-__all__ = ["PYTHON_ENV", "VllmLaunch", "complete_ids", "launch_for", "read_metrics", "vllm_python", "vllm_server"]
+__all__ = ["PYTHON_ENV", "VllmLaunch", "complete_batch", "complete_ids", "launch_for", "read_metrics", "vllm_python", "vllm_server"]
 
 PYTHON_ENV = "EAGLEOPS_VLLM_PYTHON"  # the python of a venv where vLLM is installed
 
@@ -80,9 +80,18 @@ def _post(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 def complete_ids(base_url: str, model: str, prompt: Sequence[int], max_tokens: int, *, timeout_s: float = 600.0) -> list[int]:
     """Greedy completion of a prompt given as token ids (never re-tokenised); the ids generated."""
-    body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0, "return_token_ids": True}
-    choice = _post(f"{base_url}/v1/completions", body, timeout_s)["choices"][0]
-    return list(choice.get("token_ids") or [])
+    return complete_batch(base_url, model, [prompt], max_tokens, timeout_s=timeout_s)[0]
+
+
+def complete_batch(
+    base_url: str, model: str, prompts: Sequence[Sequence[int]], max_tokens: int, *, timeout_s: float = 600.0
+) -> list[list[int]]:
+    """Greedy completions of several id prompts in one request, which vLLM schedules as one batch;
+    the ids generated for each, in the prompts' order."""
+    body = {"model": model, "prompt": [list(p) for p in prompts], "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True}  # fmt: skip
+    choices = sorted(_post(f"{base_url}/v1/completions", body, timeout_s)["choices"], key=lambda c: int(c.get("index", 0)))
+    return [list(choice.get("token_ids") or []) for choice in choices]
 
 
 def read_metrics(base_url: str, model: str | None = None) -> dict[str, float]:

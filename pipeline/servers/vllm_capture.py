@@ -6,9 +6,13 @@ Its methods are called through ``POST /collective_rpc`` (vLLM's dev-mode endpoin
 worker: ``start`` hooks the decoder layers this rank holds (tensor parallel ranks hold all of
 them, pipeline parallel ranks some) and the final norm; every forward then appends, per hooked
 layer, the residual stream after that layer (what HF calls ``hidden_states[L + 1]``) and the
-final normed hidden state; ``dump`` writes what was captured to a safetensors file per rank and
-clears it. Prompts are sent one at a time with prefix caching off, so the captured rows are the
-prompts' tokens, in order.
+final normed hidden state, and the forward's token ids and positions; ``dump`` writes what was
+captured to a safetensors file per rank and clears it.
+
+Many prompts are in flight at once, so a forward's rows are the scheduler's batch: each request's
+scheduled tokens, contiguous, in the runner's order, a long prompt's chunks in several forwards.
+The ids and positions let eagleops give each row back to its prompt (``extract.served``) without
+reading the runner's internals, which differ between vLLM's model runners.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 import torch
 
 FINAL = "final"
+TOKENS = "input_ids"
+POSITIONS = "positions"
 
 
 class HiddenStateCapture:
@@ -40,8 +46,12 @@ class HiddenStateCapture:
         if type(inner.norm).__name__ != "PPMissingLayer":
             captured[FINAL] = []
             hooks.append(inner.norm.register_forward_hook(_keep_first(captured[FINAL])))
+        captured[TOKENS], captured[POSITIONS] = [], []
+        # on the outer model, which the runner calls as a module: the inner one is wrapped by
+        # vLLM's compile decorator, which calls its forward directly, past any hook
+        hooks.append(model.register_forward_pre_hook(_keep_ids(captured[TOKENS], captured[POSITIONS]), with_kwargs=True))
         self._eagleops = (captured, hooks)
-        return json.dumps(sorted(captured))
+        return json.dumps(sorted(set(captured) - {TOKENS, POSITIONS}))
 
     def eagleops_capture_dump(self, path: str) -> str:
         from safetensors.torch import save_file
@@ -72,7 +82,26 @@ def _keep_residual_stream(rows: list[torch.Tensor]) -> Any:
             value = hidden if residual is None else hidden + residual
         else:
             value = output
-        rows.append(value.detach().to("cpu", torch.bfloat16))
+        rows.append(value.detach().to("cpu", torch.bfloat16, copy=True))
+
+    return hook
+
+
+# Every capture is a copy (``copy=True``): on a CPU worker ``.to("cpu")`` of a tensor already of
+# that dtype is the tensor itself, and vLLM refills its input buffers (positions) in place for
+# the next forward.
+
+
+def _keep_ids(tokens: list[torch.Tensor], positions: list[torch.Tensor]) -> Any:
+    def hook(module: Any, args: Any, kwargs: Any) -> None:
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        where = kwargs["positions"] if "positions" in kwargs else args[1]
+        if ids is None:  # fed embeddings (vLLM does so for multimodal wrappers)
+            raise RuntimeError(
+                "eagleops capture needs the forward's token ids, and vLLM fed this model embeddings: use extract's hf backend"
+            )
+        tokens.append(ids.detach().to("cpu", torch.int64, copy=True).reshape(-1))
+        positions.append(where.detach().to("cpu", torch.int64, copy=True).reshape(-1, ids.numel())[-1])  # M-RoPE: [3, N]
 
     return hook
 
@@ -80,7 +109,7 @@ def _keep_residual_stream(rows: list[torch.Tensor]) -> Any:
 def _keep_first(rows: list[torch.Tensor]) -> Any:
     def hook(module: Any, inputs: Any, output: Any) -> None:
         value = output[0] if isinstance(output, tuple) else output
-        rows.append(value.detach().to("cpu", torch.bfloat16))
+        rows.append(value.detach().to("cpu", torch.bfloat16, copy=True))
 
     return hook
 

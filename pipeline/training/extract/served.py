@@ -2,9 +2,11 @@
 as [serve] says) and a worker extension of ours hooks its decoder layers; no transformers copy of
 the target is ever loaded here. Shards, index, resume and metrics are the HF backend's own.
 
-Prompts go in as the prepared token ids (never re-tokenised), one at a time, prefix caching off,
-each as a one-token completion: its prefill is exactly the sample's tokens. After a shard's
-samples, one ``collective_rpc`` dumps what every worker captured, and it is cut by the offsets.
+Prompts go in as the prepared token ids (never re-tokenised), a shard's samples in one request
+of one-token completions, prefix caching off: each prompt's prefill is exactly the sample's
+tokens, batched however vLLM's scheduler likes. After a shard, one ``collective_rpc`` dumps what
+every worker captured with each row's token id and position, and ``assign_rows`` gives every row
+back to its sample.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import json
 import shutil
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.errors import RunError
 from pipeline.servers import vllm_capture
-from pipeline.servers.vllm import complete_ids, launch_for, vllm_server
+from pipeline.servers.vllm import VllmLaunch, complete_batch, launch_for, vllm_server
 from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext, serving
 from pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
@@ -31,6 +34,8 @@ from pipeline.training.modeling.target import target_shape
 __all__ = ["extract_served"]
 
 EXTENSION = "eagleops_vllm_capture"
+# what capture needs of vLLM's scheduler beyond the extension (see ``capture_launch``)
+CAPTURE_FLAGS = ("--enforce-eager", "--no-enable-prefix-caching", "--no-enable-chunked-prefill")
 
 
 def _rpc(base_url: str, method: str, *args: str) -> list[Any]:
@@ -40,50 +45,98 @@ def _rpc(base_url: str, method: str, *args: str) -> list[Any]:
         return list(json.loads(response.read())["results"])
 
 
-def _capture_server(config: RunConfig, ctx: StageContext) -> Any:
-    """vLLM with our capture extension on its path, eager (hooks need eager modules), no prefix
-    cache (a cached prefix would not be computed, so not captured)."""
-    serve = config.serve
-    if serve is None:  # checked when the run file was read
-        raise RunError("extract backend vllm needs a [serve] table")
-    ext_dir = config.output_dir / "servers" / "ext"
+def capture_launch(launch: VllmLaunch, ext_dir: Path, longest: int) -> VllmLaunch:
+    """``launch`` with our capture extension on its path, eager (hooks need eager modules), no
+    prefix cache (a cached prefix would not be computed, so not captured), no chunked prefill
+    (each prompt's rows come in one forward, so ``assign_rows`` can tell the prompts apart), and
+    room for the ``longest`` prompt in one forward. Our flags come last, so they win."""
     ext_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(vllm_capture.__file__, ext_dir / f"{EXTENSION}.py")
-    launch = launch_for(config)
     extra = (
         "--worker-extension-cls",
         f"{EXTENSION}.HiddenStateCapture",
-        "--enforce-eager",
-        "--no-enable-prefix-caching",
-        "--max-num-seqs",
-        "1",
+        *CAPTURE_FLAGS,
+        "--max-model-len",
+        str(longest + 1),
+        "--max-num-batched-tokens",
+        str(max(longest + 1, 8192)),
     )
     env = {**launch.env, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(ext_dir)}
-    launch = dataclasses.replace(launch, extra_args=launch.extra_args + extra, env=env)
+    return dataclasses.replace(launch, max_model_len=0, extra_args=launch.extra_args + extra, env=env)
+
+
+def _capture_server(config: RunConfig, ctx: StageContext, longest: int) -> Any:
+    if config.serve is None:  # checked when the run file was read
+        raise RunError("extract backend vllm needs a [serve] table")
+    launch = capture_launch(launch_for(config), config.output_dir / "servers" / "ext", longest)
     log_path = config.output_dir / "servers" / "vllm-extract.log"
-    return launch, vllm_server(launch, log_path=log_path, log=ctx.log, startup_timeout_s=serve.startup_timeout_s, max_restarts=0)
+    server = vllm_server(launch, log_path=log_path, log=ctx.log, startup_timeout_s=config.serve.startup_timeout_s, max_restarts=0)
+    return launch, server
 
 
-def _capture_shard(
+def assign_rows(tokens: Any, positions: Any, prompts: list[Any]) -> Any:
+    """The captured row of every prompt token, prompt after prompt: [sum of lengths] indices.
+
+    The capture server prefills each prompt whole in one forward (chunked prefill off), so a
+    forward's rows are runs from position 0, one run per request: each run is given to a prompt
+    still waiting with exactly its tokens (prompts with equal tokens have equal states, so which
+    of them takes it does not matter). Lone rows of token 0 at position 0 that no prompt wants
+    are a runner's padding."""
+    import numpy as np
+
+    tokens, positions = np.asarray(tokens), np.asarray(positions)
+    by_tokens: dict[tuple[int, ...], list[int]] = {}
+    for k in reversed(range(len(prompts))):
+        by_tokens.setdefault(tuple(int(t) for t in prompts[k]), []).append(k)
+    rows: list[Any] = [None] * len(prompts)
+    starts = np.flatnonzero(np.diff(positions, prepend=-2) != 1)
+    for i, end in zip(starts.tolist(), [*starts[1:].tolist(), len(positions)], strict=True):
+        if positions[i] != 0:
+            raise RunError(f"vLLM computed a prompt from position {int(positions[i])}, not 0: was chunked prefill or prefix caching on?")
+        waiting = by_tokens.get(tuple(tokens[i:end].tolist()))
+        if waiting:
+            rows[waiting.pop()] = np.arange(i, end)
+        elif not (end - i == 1 and tokens[i] == 0):
+            raise RunError(f"vLLM computed {end - i} rows (from token {int(tokens[i])}) that no prompt of this shard waits for")
+    short = [k for k, r in enumerate(rows) if r is None]
+    if short:
+        raise RunError(f"vLLM computed no rows for {len(short)} prompts of this shard (the first: {short[0]}): was prefix caching on?")
+    return np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+
+
+def capture_shard(
     base_url: str, model: str, chunk: list[Any], index: FeaturesIndex, dump: Path, ctx: StageContext
 ) -> tuple[list[int], Any, Any]:
     import torch
 
+    prompts = [ids.tolist() for ids, _ in chunk]
     offsets = [0]
-    for ids, _ in chunk:
-        ctx.checkpoint()  # a kill here loses only this shard's captures (the server goes with it)
-        complete_ids(base_url, model, ids.tolist(), 1)
+    for ids in prompts:
         offsets.append(offsets[-1] + len(ids))
+    with ThreadPoolExecutor(1, thread_name_prefix="eagleops-capture") as pool:
+        # one request for the shard: vLLM batches its prompts; a kill while it runs stops the
+        # server (the ``serving`` block), which ends the request and loses only this shard
+        done = pool.submit(complete_batch, base_url, model, prompts, 1, timeout_s=max(600.0, offsets[-1] / 50))
+        while not done.done():
+            ctx.checkpoint()
+            wait([done], timeout=0.2)
+        done.result()
     _rpc(base_url, "eagleops_capture_dump", str(dump))
     captured = vllm_capture.read_dump(dump)
-    missing = [name for name in [*map(str, index.aux_layers), vllm_capture.FINAL] if name not in captured]
+    missing = [name for name in [*map(str, index.aux_layers), vllm_capture.FINAL, vllm_capture.TOKENS] if name not in captured]
     if missing:
         raise RunError(f"vLLM captured no {', '.join(missing)} (see servers/vllm-extract.log)")
-    rows = captured[vllm_capture.FINAL].shape[0]
-    if rows != offsets[-1]:
-        raise RunError(f"vLLM computed {rows} token rows for {offsets[-1]} prompt tokens: is prefix caching or padding on?")
-    aux = torch.cat([captured[str(layer)] for layer in index.aux_layers], dim=-1).to(torch.bfloat16)
-    return offsets, aux.contiguous(), captured[vllm_capture.FINAL].to(torch.bfloat16).contiguous()
+    order = torch.from_numpy(assign_rows(captured[vllm_capture.TOKENS].numpy(), captured[vllm_capture.POSITIONS].numpy(), prompts))
+    # one thread for these copies: vLLM's processes hold the cores, and a team of torch threads
+    # spinning against them made this gather slower than the shard's prefill (bench/RESULTS.md)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        aux = torch.cat([captured[str(layer)][order] for layer in index.aux_layers], dim=-1).to(torch.bfloat16)
+        final = captured[vllm_capture.FINAL][order].to(torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    return offsets, aux.contiguous(), final.contiguous()
 
 
 def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
@@ -96,7 +149,7 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     per = config.extract.shard_samples
     rates = ExtractRates(time.monotonic())
     stalls = StallWatch(out)
-    launch, server = _capture_server(config, ctx)
+    launch, server = _capture_server(config, ctx, max((len(ids) for ids, _ in samples), default=1))
     with serving(server, ctx):
         ctx.log("info", f"extract: capturing layers {index.aux_layers} + final through vLLM on {server.base_url}")
         _rpc(server.base_url, "eagleops_capture_start", json.dumps(index.aux_layers))
@@ -106,7 +159,7 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
                 break
             chunk = samples[first : first + per]
             t0 = time.perf_counter()
-            offsets, aux, final = _capture_shard(server.base_url, launch.served_name, chunk, index, out / f"{name}.capture", ctx)
+            offsets, aux, final = capture_shard(server.base_url, launch.served_name, chunk, index, out / f"{name}.capture", ctx)
             rates.compute_s += time.perf_counter() - t0
             rates.fresh_tokens += offsets[-1]
             write_feature_shard(out, name, chunk, offsets, aux, final, first, index)

@@ -11,7 +11,7 @@ from pipeline.errors import RunError
 from pipeline.training.artifacts import CaptureLayout, FeaturesIndex
 from pipeline.training.features.cache import ConsumedShards
 from pipeline.training.features.layout import FeatureSet
-from pipeline.training.features.shards import from_fp8, shard_name
+from pipeline.training.features.shards import CODECS, shard_name
 
 __all__ = ["FeatureShards"]
 
@@ -124,7 +124,8 @@ class FeatureShards:
         handle = self._handle(name)
         a, b = self._offsets[name][j], self._offsets[name][j + 1]
         sample = {key: handle.get_slice(key)[a:b] for key in ("input_ids", "loss_mask", "aux", "final")}
-        if self.index.storage == "fp8":  # back to bf16, as a bf16 shard reads
+        if self.index.storage != "bf16":  # back to bf16, as a bf16 shard reads
+            codec = CODECS[self.index.storage]
             for key in ("aux", "final"):
-                sample[key] = from_fp8(sample[key], handle.get_slice(f"{key}_scale")[a:b], torch.bfloat16)
+                sample[key] = codec.decode({suffix: handle.get_slice(key + suffix)[a:b] for suffix in codec.suffixes}, torch.bfloat16)
         return sample
