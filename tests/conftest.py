@@ -187,10 +187,11 @@ def zoo_model(tmp_path_factory):
 
     built: dict[str, Path] = {}
 
-    def model(target: str) -> Path:
-        if target not in built:
-            built[target] = build_tiny(target, tmp_path_factory.mktemp("zoo") / target)
-        return built[target]
+    def model(target: str, keep: dict | None = None) -> Path:
+        name = target + "".join(f"-{k}{v}" for k, v in sorted((keep or {}).items()))
+        if name not in built:
+            built[name] = build_tiny(target, tmp_path_factory.mktemp("zoo") / name, keep)
+        return built[name]
 
     return model
 

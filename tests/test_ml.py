@@ -344,26 +344,51 @@ def test_tensorboard_reads_our_event_files(tmp_path):
     assert [(e.step, round(e.value, 4)) for e in reader.Scalars("loss")] == [(1, 1.0), (2, 0.5), (3, 0.3333)]
 
 
-def test_fp8_features_take_half_the_bytes_and_read_back_close(workdir, tiny_model, tmp_path_factory):
+@pytest.mark.parametrize(("storage", "worst"), [("fp8", 0.08), ("int8", 0.02)])
+def test_one_byte_features_take_about_half_the_bytes_and_read_back_close(workdir, tiny_model, tmp_path_factory, storage, worst):
+    """fp8: e4m3's 3 mantissa bits; int8: a 1/127 step of each vector's largest value but the
+    ones kept apart (one per 64 values here)."""
     from pipeline.training.features.reader import FeatureShards
 
-    other = tmp_path_factory.mktemp("fp8")
+    other = tmp_path_factory.mktemp(storage)
     shutil.copytree(workdir / "data", other / "data")
     shutil.copytree(workdir / "out", other / "out")
     bf16 = _config(workdir, tiny_model)
-    fp8 = _config(other, tiny_model, extract={"storage": "fp8"})
+    fp8 = _config(other, tiny_model, extract={"storage": storage})
     for config in (bf16, fp8):
         _stage(config, "prepare")
         _stage(config, "extract")
     wide, narrow = FeatureShards(bf16.features_dir), FeatureShards(fp8.features_dir)
-    assert narrow.index.storage == "fp8" and narrow.index.tokens == wide.index.tokens
+    assert narrow.index.storage == storage and narrow.index.tokens == wide.index.tokens
     assert narrow.index.stored_bytes < 0.65 * wide.index.stored_bytes  # 1 byte a value, plus a scale per token and layer
     for i in (0, len(wide) // 2, len(wide) - 1):
         exact, approx = wide[i], narrow[i]
         assert torch.equal(exact["input_ids"], approx["input_ids"]) and approx["aux"].dtype == torch.bfloat16
         for key in ("aux", "final"):
             error = (approx[key].float() - exact[key].float()).norm(dim=-1) / exact[key].float().norm(dim=-1)
-            assert error.max() < 0.08, (key, float(error.max()))  # e4m3: 3 mantissa bits
+            assert error.max() < worst, (key, float(error.max()))
+
+
+def test_int8_keeps_outliers_exact_and_the_rest_fine():
+    """A large target's residual stream: a few channels far above the rest. Kept apart, they
+    do not set the step of every other value (plain per-token int8 would lose those)."""
+    from pipeline.training.features.shards import CODECS
+
+    gen = torch.Generator().manual_seed(0)
+    states = torch.randn(64, 3, 1024, generator=gen)
+    states[:, :, 7] *= 300.0
+    states[5, 1, 900] = -2000.0
+    states = states.bfloat16()
+    codec = CODECS["int8"]
+    parts = codec.encode(states)
+    assert parts[""].dtype == torch.int8 and parts["_kept_channel"].shape == (64, 3 * 8)
+    back = codec.decode(parts, torch.bfloat16).reshape(states.shape)
+    assert torch.equal(back[:, :, 7], states[:, :, 7]) and back[5, 1, 900] == states[5, 1, 900]
+    ordinary = torch.ones(1024, dtype=torch.bool)
+    ordinary[[7, 900]] = False
+    error = (back.float() - states.float())[:, :, ordinary].norm() / states.float()[:, :, ordinary].norm()
+    assert error < 0.012, float(error)
+    assert codec.bytes(7168, 4) / (2 * 4 * 7168) < 0.505
 
 
 def test_the_gpu_check_runs_here_on_a_cpu_at_tiny_size():
@@ -379,7 +404,8 @@ def test_the_gpu_check_runs_here_on_a_cpu_at_tiny_size():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # several torchrun jobs: a loaded 2-core machine runs them 4x slower
-def test_fsdp_two_processes_match_ddp_and_resume_on_the_same_curve(workdir, tiny_model, tmp_path_factory):
+@pytest.mark.parametrize("drafter", ["eagle3", "mla3.1"])  # Llama attention; MLA with EAGLE-3.1's fc_norm units
+def test_fsdp_two_processes_match_ddp_and_resume_on_the_same_curve(workdir, tiny_model, tmp_path_factory, drafter):
     import signal
     import time
 
@@ -396,7 +422,7 @@ def test_fsdp_two_processes_match_ddp_and_resume_on_the_same_curve(workdir, tiny
         run.write_text(
             f'name = "{parallel}"\noutput_dir = "{folder / "out"}"\n[[endpoints]]\nbase_url = "http://127.0.0.1:9/v1"\nmodel = "m"\n'
             f'[[datasets]]\nname = "B1"\npath = "{workdir / "data" / "sharegpt.jsonl"}"\ntoken_budget = 1\n'
-            f'[target]\nmodel = "{tiny_model}"\n[train]\nparallel = "{parallel}"\nmax_steps = 120\nbatch_size = 2\nttt_length = 3\n'
+            f'[target]\nmodel = "{tiny_model}"\n[train]\ndrafter = "{drafter}"\nparallel = "{parallel}"\nmax_steps = 120\nbatch_size = 2\nttt_length = 3\n'
             "lr = 3e-3\ncheckpoint_every = 40\nlog_every = 40\n"
         )
         return run
@@ -445,7 +471,10 @@ def test_fsdp_two_processes_match_ddp_and_resume_on_the_same_curve(workdir, tiny
     assert len(sharded) == len(replicated) == len(resumed) == 120
     assert resumed == pytest.approx(sharded, rel=1e-5, abs=1e-6)  # the same curve after the kill
     # FSDP computes what DDP does; reduce-scatter and all-reduce sum in different orders, and the
-    # float differences grow over a training run (0.5% by step 120 here), so the early steps are held closest
+    # float differences grow chaotically over a run (one step 3.5% apart by step 120 in one CI run),
+    # so the early steps are held close step by step and the later ones on average: a wrong gradient
+    # scale or a lost shard moves the mean, rounding noise does not
     drift = max(abs(a - b) / abs(b) for a, b in zip(sharded, replicated))
     assert sharded[:40] == pytest.approx(replicated[:40], rel=5e-3), drift
-    assert drift < 3e-2
+    late_sharded, late_replicated = sum(sharded[40:]) / 80, sum(replicated[40:]) / 80
+    assert late_sharded == pytest.approx(late_replicated, rel=1e-2), (drift, late_sharded, late_replicated)

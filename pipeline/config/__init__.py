@@ -7,6 +7,7 @@ from ..errors import ConfigError
 from .fields import field_map
 from .run import (
     ALL_STAGES,
+    DRAFTERS,
     DatasetConfig,
     EndpointConfig,
     EvalConfig,
@@ -25,6 +26,7 @@ from .tokens import format_tokens, parse_tokens
 
 __all__ = [
     "ALL_STAGES",
+    "DRAFTERS",
     "ConfigError",
     "DatasetConfig",
     "EndpointConfig",

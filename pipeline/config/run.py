@@ -17,6 +17,7 @@ from .schema import Check, Table, at_least, finite_at_least, matches, one_of, pa
 
 __all__ = [
     "ALL_STAGES",
+    "DRAFTERS",
     "DatasetConfig",
     "EndpointConfig",
     "EvalConfig",
@@ -34,6 +35,7 @@ __all__ = [
 
 ALL_STAGES = ("generate", "prepare", "extract", "train", "export", "eval")
 THINKING = ("keep", "drop", "off")
+DRAFTERS = ("eagle3", "eagle3.1", "mla", "mla3.1")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 
@@ -180,8 +182,8 @@ class ExtractConfig:
     shard_samples: int = setting(256, "samples per feature shard", check=at_least(1))
     storage: str = setting(
         "bf16",
-        "feature storage: `bf16`, or `fp8` (e4m3 with a scale per token and layer: half the bytes; see bench/RESULTS.md)",
-        check=one_of("bf16", "fp8"),
+        "feature storage: `bf16`; `int8` (8 largest values per vector kept exact) or `fp8` (e4m3), about half the bytes (see bench/RESULTS.md)",
+        check=one_of("bf16", "int8", "fp8"),
     )
     max_cache_gb: float = setting(
         0.0,
@@ -203,6 +205,12 @@ class TrainConfig:
     max_grad_norm: float = setting(0.5, "gradient clipping", check=Check(lambda v: v > 0, "must be positive"))
     weight_decay: float = setting(0.0, "AdamW weight decay", check=finite_at_least(0))
     seed: int = setting(0, "initialisation and data order seed")
+    drafter: str = setting("eagle3", "`eagle3`, `eagle3.1`, `mla` or `mla3.1` (the README's train stage)", check=one_of(*DRAFTERS))
+    drafter_heads: int = setting(0, "attention heads (0: chosen for the target's family, see the README)", check=at_least(0))
+    drafter_kv_heads: int = setting(0, "KV heads of Llama attention (0: chosen for the target's family)", check=at_least(0))
+    drafter_head_dim: int = setting(0, "Llama's head dim, MLA's v_head_dim (0: chosen for the target)", check=at_least(0))
+    drafter_intermediate_size: int = setting(0, "the MLP's width (0: the target's dense `intermediate_size`)", check=at_least(0))
+    drafter_kv_lora_rank: int = setting(0, "MLA's latent KV width (0: the target's, or 4 x head dim)", check=at_least(0))
     checkpoint_every: int = setting(200, "steps between checkpoints", check=at_least(1))
     max_steps: int = setting(0, "stop after this many steps (0: no cap)", check=at_least(0))
     log_every: int = setting(10, "steps between metrics events", check=at_least(1))

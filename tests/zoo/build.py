@@ -12,6 +12,7 @@ import copy
 import json
 import lzma
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,14 @@ def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config", config)
 
 
-def shrink(text: dict[str, Any]) -> dict[str, Any]:
-    tiny = {key: (TINY_SIZES[key] if key in TINY_SIZES else value) for key, value in text.items()}
+# DeepSeek-V3's own MLA latent sizes (kv_lora_rank 512 + qk_rope_head_dim 64 = 576): vLLM's
+# MLA backends take only 320, 512 or 576 wide latent heads, so a stand-in vLLM serves keeps them
+REAL_MLA_LATENT = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+def shrink(text: dict[str, Any], keep: dict[str, Any] | None = None) -> dict[str, Any]:
+    sizes = {**TINY_SIZES, **(keep or {})}
+    tiny = {key: (sizes[key] if key in sizes else value) for key, value in text.items()}
     # grouped-query attention stays grouped where the real model groups (MLA keeps kv == q heads)
     if "num_key_value_heads" in text:
         grouped = text["num_key_value_heads"] < text["num_attention_heads"]
@@ -75,17 +82,18 @@ def shrink(text: dict[str, Any]) -> dict[str, Any]:
     return tiny
 
 
-def tiny_config(target: str) -> dict[str, Any]:
-    """The real config.json with the text model's sizes shrunk, the structure untouched."""
+def tiny_config(target: str, keep: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The real config.json with the text model's sizes shrunk (but those in ``keep``), the
+    structure untouched."""
     config = copy.deepcopy(real_config(target))
     if "text_config" in config:
-        config["text_config"] = shrink(config["text_config"])
+        config["text_config"] = shrink(config["text_config"], keep)
         if "vision_config" in config and "text_hidden_size" in config["vision_config"]:
             config["vision_config"]["text_hidden_size"] = TINY_HIDDEN
         for key in DROPPED_KEYS:
             config.pop(key, None)
         return config
-    return shrink(config)
+    return shrink(config, keep)
 
 
 def copy_artifacts(source: Path, dest: Path) -> None:
@@ -170,11 +178,15 @@ def save_sharded(tensors: dict[str, Any], dest: Path) -> None:
     (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def build_tiny(target: str, dest: Path) -> Path:
-    """A loadable tiny random checkpoint of ``target`` in ``dest``."""
+def build_tiny(target: str, dest: Path, keep: dict[str, Any] | None = None, pretrain: Callable[[Any, Path], None] | None = None) -> Path:
+    """A loadable tiny random checkpoint of ``target`` in ``dest`` (sizes in ``keep`` as given).
+    ``pretrain(model, files)``, if given, trains the text model in place before it is saved
+    (``files``: the target's tokenizer and template, as AutoTokenizer loads them)."""
     dest.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(target)
+    config = tiny_config(target, keep)
     model = _random_text_model(text_config_of(config))
+    if pretrain is not None:
+        pretrain(model, materialize(target, dest))
     if "text_config" in config:
         # the wrapper's names: its language model under ``language_model.``, as the real weight
         # map has it (the names save_pretrained writes are the checkpoint's, not the in-memory ones)

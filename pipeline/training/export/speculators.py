@@ -45,6 +45,9 @@ def speculators_config(server: dict[str, Any], capture: CaptureLayout, verifier:
         "draft_vocab_size": server["draft_vocab_size"],
         "target_hidden_size": server["target_hidden_size"],
         "norm_before_residual": False,  # ours normalises after the residual, as SGLang's does
+        # EAGLE-3.1's norms (vLLM reads both keys here and in the plain export alike)
+        "fc_norm": bool(server.get("fc_norm", False)),
+        "norm_output": bool(server.get("norm_output", False)),
         "eagle_aux_hidden_state_layer_ids": engine_layer_ids(capture.aux_layers, "vllm"),
         "transformer_layer_config": layer,
         "speculators_config": {

@@ -2,10 +2,14 @@
 --speculative-draft-model-path DIR``) and vLLM's EAGLE-3 loader read: ``config.json``
 (``LlamaForCausalLMEagle3``, one layer, ``draft_vocab_size``, ``eagle_config``) and
 ``model.safetensors`` with ``midlayer.*``, ``fc.weight``, ``norm.weight``, ``lm_head.weight``,
-``d2t``, ``t2d``; no embeddings (the server shares the target's).
+``d2t``, ``t2d``; no embeddings (the server shares the target's). EAGLE-3.1 adds
+``fc_norm.{0,1,2}.weight`` and the ``fc_norm``/``norm_output`` keys vLLM reads; an MLA drafter is
+``Eagle3DeepseekV2ForCausalLM`` (``model_type: deepseek_v2``) with DeepSeek's attention names.
+Both engines load every kind (``drafter_config.SERVING_ENGINES``); the log says which load this
+one (SGLang cannot name aux layers starting at 0 on DeepSeek-family targets: a warning says so).
 
 Beside it, ``drafter-speculators/``: the same weights in vllm-project/speculators' format
-(``speculators``), which vLLM recognises as a speculator on its own.
+(``speculators``), which vLLM recognises as a speculator on its own (not for MLA drafters).
 
 The aux layers written are the checkpoint's, which must be those of the features extract wrote
 last: a drafter exported from an older extract's layers would read the wrong hidden states.
@@ -26,7 +30,7 @@ from pipeline.training.artifacts import Checkpoint, ExportResult, features_captu
 from pipeline.training.context import StageContext
 from pipeline.training.export.speculators import speculators_config, speculators_dir, speculators_weights
 from pipeline.training.modeling.drafter import EXPORTED_PREFIXES
-from pipeline.training.modeling.drafter_config import exported_config
+from pipeline.training.modeling.drafter_config import drafter_kind, exported_config, serving_engines, sglang_unservable
 from pipeline.training.modeling.rope import legacy_engine_warning
 from pipeline.training.modeling.target import require_target
 
@@ -74,15 +78,27 @@ def export(config: RunConfig, ctx: StageContext, *, dtype: torch.dtype = torch.b
         ctx.log("warning", f"export: {note}")
     out = config.export_dir
     _write_dir(out, weights, server)
-    _write_dir(
-        speculators_dir(config),
-        speculators_weights(weights),
-        speculators_config(server, state.capture, target.model, config.eval.draft_tokens),
-    )
+    kind, engines = drafter_kind(server), serving_engines(server)
+    if why := sglang_unservable(server):
+        ctx.log("warning", f"export: not for SGLang: {why}")
+    written = [out.name + "/"]
+    if kind.startswith("mla"):
+        # vLLM's speculators reader maps only Llama and Qwen3 layers to a drafter class: an MLA layer
+        # there would load as Llama attention, so no such directory is written (nor an old one kept)
+        shutil.rmtree(speculators_dir(config), ignore_errors=True)
+        ctx.log("info", f"export: no {speculators_dir(config).name}/ for a {kind} drafter (vLLM's speculators format has no MLA layer)")
+    else:
+        _write_dir(
+            speculators_dir(config),
+            speculators_weights(weights),
+            speculators_config(server, state.capture, target.model, config.eval.draft_tokens),
+        )
+        written.append(speculators_dir(config).name + "/")
     size = (out / "model.safetensors").stat().st_size
-    ctx.metrics(export_dir=str(out), bytes=size, tensors=len(weights), step=state.step)
+    ctx.metrics(export_dir=str(out), bytes=size, tensors=len(weights), step=state.step, drafter=kind, engines=list(engines))
     ctx.log(
         "info",
-        f"export: {out} and {speculators_dir(config).name}/ ({len(weights)} tensors, {size / 2**20:.1f} MiB), trained {state.step} steps",
+        f"export: {' and '.join(written)} ({kind}, {len(weights)} tensors, {size / 2**20:.1f} MiB), trained {state.step} steps; "
+        f"loads in {' and '.join(engines)}",
     )
     return ExportResult(str(out), sorted(weights), size)

@@ -16,7 +16,6 @@ position's keys of steps 1..i: the attention pattern of drafting i tokens ahead 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,44 +26,16 @@ from torch import nn
 from pipeline.config import RunConfig
 from pipeline.errors import InputError
 from pipeline.training.artifacts import DRAFT_VOCAB
-from pipeline.training.modeling.drafter_config import drafter_config_from_target
+from pipeline.training.modeling.blocks import DraftCache, RMSNorm, rotate_halves
+from pipeline.training.modeling.drafter_config import DrafterChoice, drafter_config_from_target
+from pipeline.training.modeling.mla import MLAttention
 from pipeline.training.modeling.target import head_and_embeddings, head_rows, load_target_config, require_target
 from pipeline.training.modeling.ttt_attention import flex_available, ttt_attention
 
 __all__ = ["EXPORTED_PREFIXES", "DraftCache", "Eagle3Drafter", "build_drafter", "load_exported"]
 
 # what a server loads from an export: the target supplies the embeddings
-EXPORTED_PREFIXES = ("midlayer.", "fc.", "norm.", "lm_head.", "d2t", "t2d")
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-@dataclass
-class DraftCache:
-    """Keys/values per TTT step: step 0 over all positions, later steps at the query positions."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-
-    @classmethod
-    def empty(cls) -> DraftCache:
-        return cls([], [])
+EXPORTED_PREFIXES = ("midlayer.", "fc.", "fc_norm.", "norm.", "lm_head.", "d2t", "t2d")
 
 
 class Attention(nn.Module):
@@ -95,8 +66,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
         if self.kv_heads != self.heads:
             rep = self.heads // self.kv_heads
             k = k.repeat_interleave(rep, dim=1)
@@ -125,7 +95,8 @@ class MidLayer(nn.Module):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.hidden_norm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = Attention(config)
+        # MLA where the config carries its latent sizes (``drafter_config``), Llama's otherwise
+        self.self_attn = MLAttention(config) if getattr(config, "kv_lora_rank", None) else Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp = MLP(config)
 
@@ -148,6 +119,13 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
+        # EAGLE-3.1: each aux layer normed on its own before fc (vLLM's ``fc_norm``), and the state
+        # a step hands the next is the post-norm one (``norm_output``)
+        eps = config.rms_norm_eps
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(config.target_hidden_size, eps) for _ in range(3)) if getattr(config, "fc_norm", False) else None
+        )
+        self.norm_output = bool(getattr(config, "norm_output", False))
         self.midlayer = MidLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -164,6 +142,8 @@ class Eagle3Drafter(nn.Module):
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1), strict=True)], dim=-1)
         return self.fc(aux)
 
     def step(
@@ -175,7 +155,8 @@ class Eagle3Drafter(nn.Module):
         cache: DraftCache,
         key_padding: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting step for the positions given: (pre-norm hidden out, draft-vocab logits).
+        """One drafting step for the positions given: (the state the next step reads, draft-vocab
+        logits). The state is the layer's pre-norm output (EAGLE-3) or its normed one (3.1).
 
         ``positions`` [T] are the absolute positions of the queries (their RoPE advances by
         ``step_index``); step 0 must cover every position later steps attend to.
@@ -184,7 +165,8 @@ class Eagle3Drafter(nn.Module):
         rope_positions = (positions + step_index)[None, :].expand(hidden.shape[0], -1)
         cos, sin = self.rotary(hidden, rope_positions)
         out = self.midlayer(embeds, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache, positions, key_padding)
-        return out, self.lm_head(self.norm(out))
+        normed = self.norm(out)
+        return (normed if self.norm_output else out), self.lm_head(normed)
 
     # ---- inference: chain drafting ----------------------------------------------------------
     @torch.no_grad()
@@ -220,7 +202,11 @@ def build_drafter(config: RunConfig, aux_layers: tuple[int, ...], *, seed: int) 
     target_config = load_target_config(target)
     vocab = load_file(str(config.prepared_dir / DRAFT_VOCAB))
     drafter_config = drafter_config_from_target(
-        target_config, draft_vocab_size=len(vocab["d2t"]), aux_layers=aux_layers, vocab_size=head_rows(target.model)
+        target_config,
+        draft_vocab_size=len(vocab["d2t"]),
+        aux_layers=aux_layers,
+        vocab_size=head_rows(target.model),
+        choice=DrafterChoice.from_train(config.train),
     )
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(drafter_config)

@@ -4,53 +4,225 @@
 
 SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids``; vLLM reads the top-level key
 first. Each is in its engine's own numbering (``modeling.layers``).
+
+The drafter's shape (``[train] drafter`` and the ``drafter_*`` overrides) is chosen here for
+each target family; every size left at 0 is chosen as follows, and the README says the same:
+
+- Llama attention on a GQA/MHA target (Llama, Qwen3, gpt-oss): the target's heads, KV heads and
+  head dim, as SpecForge's configs for these targets do.
+- Llama attention on an MLA target (DeepSeek-V3, Kimi): ``head_dim = v_head_dim`` (128), as many
+  heads as fill the hidden size (56 at 7168) and 8 KV heads: SpecForge's DeepSeek-V3 drafter
+  (configs/deepseek-v3-671b-eagle3.json; its Kimi-K2 config is 64 x 128 with 64 KV heads, 8x the
+  KV cache for an attention wider than the hidden size). MLA's own head count (64 or 128 heads of
+  192-wide q/k) would make a drafter 2-4x the attention width.
+- MLA attention on an MLA target: the target's latent sizes (``q_lora_rank``, ``kv_lora_rank``,
+  ``qk_nope/rope_head_dim``, ``v_head_dim``), heads filling the hidden size as above; on another
+  target, DeepSeek's ratios to the target's head dim d (nope d, rope d/2, v d, kv latent 4d but
+  at most hidden/8, q latent 3x the kv latent). Its RoPE is the target's when the target is MLA
+  (DeepSeek's yarn, which vLLM's MLA reads as ``deepseek_yarn``); otherwise plain RoPE with the
+  target's theta, the only kind vLLM's MLA layer computes as trained.
+- The MLP: the target's dense ``intermediate_size``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError
+from pipeline.config import DRAFTERS, TrainConfig
+from pipeline.errors import ConfigError, InputError
 from pipeline.training.artifacts import CaptureLayout
-from pipeline.training.modeling.layers import engine_layer_ids, layers_from_engine_ids
+from pipeline.training.modeling.layers import engine_layer_ids, layers_from_engine_ids, layers_from_sglang_ids, sglang_layer_ids
 from pipeline.training.modeling.rope import engine_rope_scaling
 
-__all__ = ["ARCHITECTURE", "drafter_config_from_target", "exported_capture", "exported_config"]
+__all__ = [
+    "ARCHITECTURE",
+    "MLA_ARCHITECTURE",
+    "DrafterChoice",
+    "drafter_config_from_target",
+    "drafter_kind",
+    "exported_capture",
+    "exported_config",
+    "geometry_mismatches",
+    "serving_engines",
+    "sglang_unservable",
+]
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the class name both servers dispatch an EAGLE-3 drafter on
+# vLLM's EAGLE-3 drafter with DeepSeek's MLA (deepseek_eagle3.py), on a DeepseekV2Config: vLLM takes
+# any draft whose model_type is deepseek_v3 for DeepSeek's own MTP layer (SpeculativeConfig.
+# hf_config_override) and fails "Eagle3DeepSeekMTPModel are not supported"
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+MLA_MODEL_TYPE = "deepseek_v2"
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# what a resumed checkpoint must share with the drafter built now
+GEOMETRY_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "draft_vocab_size", "fc_norm", "norm_output", *MLA_KEYS)  # fmt: skip
+# The engines whose loaders read every kind as trained (their sources: vLLM 0.32/0.33
+# llama_eagle3.py and deepseek_eagle3.py; SGLang 0.5.23 llama_eagle3.py and kimi_k25_eagle3.py,
+# whose Eagle3DeepseekV2ForCausalLM is Kimi's MLA drafter): both read fc_norm and norm_output
+SERVING_ENGINES = ("sglang", "vllm")
+KV_HEADS_ON_MLA_TARGETS = 8  # SpecForge's DeepSeek-V3 drafter's
 
 
-def _eagle3_fields(aux_layers: Sequence[int], *, draft_vocab_size: int, target_hidden_size: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class DrafterChoice:
+    """``[train]``'s drafter settings: the kind and each size (0: chosen for the target)."""
+
+    kind: str = "eagle3"
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    kv_lora_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFTERS:
+            raise ConfigError(f"train.drafter: {self.kind!r} is not one of {', '.join(DRAFTERS)}")
+
+    @classmethod
+    def from_train(cls, train: TrainConfig) -> DrafterChoice:
+        return cls(train.drafter, train.drafter_heads, train.drafter_kv_heads, train.drafter_head_dim,
+                   train.drafter_intermediate_size, train.drafter_kv_lora_rank)  # fmt: skip
+
+    @property
+    def mla(self) -> bool:
+        return self.kind.startswith("mla")
+
+    @property
+    def eagle31(self) -> bool:
+        return self.kind.endswith("3.1")
+
+
+def _is_mla(text: Any) -> bool:
+    return getattr(text, "kv_lora_rank", None) is not None
+
+
+def _target_head_dim(text: Any) -> int:
+    return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+
+
+def _llama_attention(text: Any, choice: DrafterChoice) -> dict[str, Any]:
+    hidden = text.hidden_size
+    if _is_mla(text):
+        head_dim = choice.head_dim or int(text.v_head_dim)
+        heads = choice.heads or max(1, hidden // head_dim)
+        kv_heads = choice.kv_heads or math.gcd(heads, KV_HEADS_ON_MLA_TARGETS)
+    else:
+        head_dim = choice.head_dim or _target_head_dim(text)
+        same_heads = not choice.head_dim or choice.head_dim == _target_head_dim(text)
+        heads = choice.heads or (text.num_attention_heads if same_heads else max(1, hidden // head_dim))
+        target_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        kv_heads = choice.kv_heads or math.gcd(heads, target_kv)
+    if heads % kv_heads:
+        raise ConfigError(f"train.drafter_kv_heads: {kv_heads} KV heads do not divide {heads} heads")
+    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+
+
+def _mla_attention(text: Any, choice: DrafterChoice) -> dict[str, Any]:
+    if _is_mla(text):
+        v, nope, rope = int(text.v_head_dim), int(text.qk_nope_head_dim), int(text.qk_rope_head_dim)
+        kv_lora = int(text.kv_lora_rank)
+        q_lora = int(text.q_lora_rank or 3 * kv_lora)
+    else:
+        d = _target_head_dim(text)
+        kv_lora = min(4 * d, max(16, text.hidden_size // 8))  # DeepSeek's 512 at 4096-7168 wide, less on small targets
+        v, nope, rope, q_lora = d, d, d // 2, 3 * kv_lora
+    if choice.head_dim and choice.head_dim != v:
+        v = nope = choice.head_dim
+    if rope % 2:
+        raise ConfigError(f"train.drafter: MLA's rotary head dim {rope} must be even")
+    heads = choice.heads or max(1, text.hidden_size // v)
+    if choice.kv_heads and choice.kv_heads != heads:
+        raise ConfigError("train.drafter_kv_heads: MLA shares one latent KV across all heads; leave it 0 with drafter = mla")
+    # q_lora_rank always set: vLLM's drafter loads q_a_proj and kv_a_proj_with_mqa as one fused tensor
+    return {"num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": rope, "q_lora_rank": q_lora,
+            "kv_lora_rank": choice.kv_lora_rank or kv_lora, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
+            "v_head_dim": v}  # fmt: skip
+
+
+def _eagle3_fields(
+    aux_layers: Sequence[int], *, draft_vocab_size: int, target_hidden_size: int, target_architecture: str | None
+) -> dict[str, Any]:
+    vllm = engine_layer_ids(aux_layers, "vllm")
+    # where SGLang cannot name these layers (serving_engines leaves it out), its key repeats vLLM's
+    sglang = sglang_layer_ids(aux_layers, target_architecture) or vllm
     return {
         "architectures": [ARCHITECTURE],
         "draft_vocab_size": draft_vocab_size,
         "target_hidden_size": target_hidden_size,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layers, "sglang"), "use_aux_hidden_state": True},
-        "eagle_aux_hidden_state_layer_ids": engine_layer_ids(aux_layers, "vllm"),
+        "target_architecture": target_architecture,  # SGLang numbers the layers by it (modeling.layers)
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang, "use_aux_hidden_state": True},
+        "eagle_aux_hidden_state_layer_ids": vllm,
     }
 
 
+def _aux_layers(config: dict[str, Any]) -> tuple[int, ...]:
+    """Our aux layers, from vLLM's key (every engine's ids say the same where they can)."""
+    return layers_from_engine_ids(config["eagle_aux_hidden_state_layer_ids"], "vllm")
+
+
+def drafter_kind(config: dict[str, Any]) -> str:
+    """The kind (``DRAFTERS``) a drafter's config dict describes, from the keys the engines read."""
+    attention = "mla" if config.get("kv_lora_rank") is not None else "eagle3"
+    if config.get("fc_norm") and config.get("norm_output"):
+        return "mla3.1" if attention == "mla" else "eagle3.1"
+    return attention
+
+
+def serving_engines(config: dict[str, Any]) -> tuple[str, ...]:
+    """The engines whose loaders read this drafter as it was trained: every kind in both, but
+    SGLang only where it can name the aux layers on this target (``sglang_unservable``)."""
+    return tuple(engine for engine in SERVING_ENGINES if engine != "sglang" or not sglang_unservable(config))
+
+
+def sglang_unservable(config: dict[str, Any]) -> str | None:
+    """Why SGLang would capture other layers than the drafter was trained on; None if it would not."""
+    layers, architecture = _aux_layers(config), config.get("target_architecture")
+    if sglang_layer_ids(layers, architecture) is not None:
+        return None
+    return (f"SGLang cannot capture layer {layers[0]}'s output on a {architecture} target (its set_eagle3_layers_to_capture "
+            f"takes ids starting at 1 as one-based); serve this drafter with vLLM, or extract with aux layers from 1 up")  # fmt: skip
+
+
+def geometry_mismatches(saved: dict[str, Any], built: dict[str, Any]) -> list[str]:
+    """The shape keys on which a saved drafter config and a freshly built one differ."""
+    return [f"{key} {saved.get(key)!r} -> {built.get(key)!r}" for key in GEOMETRY_KEYS if saved.get(key) != built.get(key)]
+
+
 def drafter_config_from_target(
-    target_config: Any, *, draft_vocab_size: int, aux_layers: Sequence[int], vocab_size: int | None = None
+    target_config: Any,
+    *,
+    draft_vocab_size: int,
+    aux_layers: Sequence[int],
+    vocab_size: int | None = None,
+    choice: DrafterChoice | None = None,
 ) -> Any:
-    """A LlamaConfig for the drafter: the target's attention geometry, one layer, the draft vocab.
-    ``vocab_size``: the target head's rows (``head_rows``), which prepare sized t2d by; the
-    config's own ``vocab_size`` where not given."""
+    """A LlamaConfig for the drafter: one layer, the draft vocab, the attention ``choice`` asks
+    for (the module docstring says how each size is chosen). ``vocab_size``: the target head's
+    rows (``head_rows``), which prepare sized t2d by; the config's own ``vocab_size`` where not
+    given. An MLA drafter's config carries MLA's keys beside Llama's (``head_dim`` is then the
+    rotary width, as DeepSeek's configs have it)."""
     from transformers import LlamaConfig
 
+    choice = choice or DrafterChoice()
     text = getattr(target_config, "text_config", None) or target_config
-    rope = getattr(text, "rope_parameters", None) or {}
+    attention = _mla_attention(text, choice) if choice.mla else _llama_attention(text, choice)
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    if choice.mla and not _is_mla(text):
+        rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))}
     config = LlamaConfig(
         vocab_size=vocab_size if vocab_size is not None else text.vocab_size,
         hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
+        intermediate_size=choice.intermediate_size or text.intermediate_size,
         num_hidden_layers=1,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        num_attention_heads=attention.pop("num_attention_heads"),
+        num_key_value_heads=attention.pop("num_key_value_heads"),
+        head_dim=attention.pop("head_dim"),
         hidden_act=getattr(text, "hidden_act", "silu"),
         max_position_embeddings=text.max_position_embeddings,
         rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
@@ -59,11 +231,19 @@ def drafter_config_from_target(
         pad_token_id=getattr(text, "pad_token_id", None),
         tie_word_embeddings=False,
     )
+    for key, value in attention.items():  # MLA's sizes
+        setattr(config, key, value)
+    if choice.eagle31:  # vLLM's names: a norm per aux layer before fc, the post-norm state carried on
+        config.fc_norm, config.norm_output = True, True
     if rope:
         config.rope_parameters = dict(rope)
         # refused here too, before a training whose drafter no engine would serve as trained
         engine_rope_scaling({k: v for k, v in rope.items() if k != "rope_theta"})
-    for key, value in _eagle3_fields(aux_layers, draft_vocab_size=draft_vocab_size, target_hidden_size=text.hidden_size).items():
+    architecture = (getattr(target_config, "architectures", None) or [None])[0]
+    fields = _eagle3_fields(
+        aux_layers, draft_vocab_size=draft_vocab_size, target_hidden_size=text.hidden_size, target_architecture=architecture
+    )
+    for key, value in fields.items():
         setattr(config, key, value)
     return config
 
@@ -84,7 +264,13 @@ def exported_config(drafter_config: dict[str, Any], capture: CaptureLayout, dtyp
     exported = engine_rope_scaling(scaling if scaling.get("rope_type", "default") != "default" else None)
     payload["rope_scaling"] = exported
     payload["rope_parameters"] = {**(exported or {"rope_type": "default"}), "rope_theta": payload["rope_theta"]}
-    payload.update(_eagle3_fields(capture.aux_layers, draft_vocab_size=payload["draft_vocab_size"], target_hidden_size=capture.hidden_size))
+    payload.update(
+        _eagle3_fields(capture.aux_layers, draft_vocab_size=payload["draft_vocab_size"], target_hidden_size=capture.hidden_size,
+                       target_architecture=drafter_config.get("target_architecture"))
+    )  # fmt: skip
+    if drafter_kind(payload).startswith("mla"):
+        # vLLM builds it from a DeepseekV2Config: MLA attention, one dense MLP (never MoE)
+        payload.update(architectures=[MLA_ARCHITECTURE], model_type=MLA_MODEL_TYPE)
     return payload
 
 
@@ -93,13 +279,14 @@ def exported_capture(config_file: Path) -> CaptureLayout:
     must name the same layers."""
     try:
         payload = json.loads(config_file.read_text())
-        sglang = layers_from_engine_ids(payload["eagle_config"]["eagle_aux_hidden_state_layer_ids"], "sglang")
-        vllm = layers_from_engine_ids(payload.get("eagle_aux_hidden_state_layer_ids", engine_layer_ids(sglang, "vllm")), "vllm")
-        hidden_size = int(payload["target_hidden_size"])
+        sglang = layers_from_sglang_ids(payload["eagle_config"]["eagle_aux_hidden_state_layer_ids"], payload.get("target_architecture"))
+        payload.setdefault("eagle_aux_hidden_state_layer_ids", engine_layer_ids(sglang, "vllm"))
+        vllm, hidden_size = _aux_layers(payload), int(payload["target_hidden_size"])
+        sglang_reads = "sglang" in serving_engines(payload)
     except FileNotFoundError:
         raise InputError(f"{config_file}: missing; run export first") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise InputError(f"{config_file}: not an EAGLE-3 drafter's config ({exc!r})") from None
-    if sglang != vllm:
+    if sglang_reads and sglang != vllm:
         raise InputError(f"{config_file}: eagle_config names layers {list(sglang)} but eagle_aux_hidden_state_layer_ids {list(vllm)}")
-    return CaptureLayout(sglang, hidden_size)
+    return CaptureLayout(vllm, hidden_size)

@@ -7,7 +7,9 @@ use it. Every other engine counts differently, and this module is the only place
 - ``hf``: ``output_hidden_states`` puts the embeddings first, so layer L's output is
   ``hidden_states[L + 1]``.
 - ``sglang``: ``eagle_config.eagle_aux_hidden_state_layer_ids`` takes L and SGLang adds the 1
-  itself when it captures.
+  itself when it captures, except on its DeepSeek-family targets (``SGLANG_VERBATIM_TARGETS``):
+  these add the 1 only to a list that starts at 1 and take any other list as vLLM does, as the
+  layer whose input is captured. There, a list starting at 0 cannot be said at all (``None``).
 - ``vllm``: the top-level ``eagle_aux_hidden_state_layer_ids`` (read before ``eagle_config``, and
   the speculators format's key) names the layer whose *input* is captured: L + 1.
 
@@ -21,12 +23,32 @@ from typing import Literal
 
 from pipeline.errors import InputError
 
-__all__ = ["Engine", "default_aux_layers", "engine_layer_ids", "layers_from_engine_ids"]
+__all__ = [
+    "SGLANG_VERBATIM_TARGETS",
+    "Engine",
+    "default_aux_layers",
+    "engine_layer_ids",
+    "layers_from_engine_ids",
+    "layers_from_sglang_ids",
+    "sglang_layer_ids",
+]
 
 Engine = Literal["hf", "sglang", "vllm"]
 
 # what each engine adds to our L to name the same captured state
 _OFFSET: dict[str, int] = {"hf": 1, "sglang": 0, "vllm": 1}
+# Targets whose SGLang set_eagle3_layers_to_capture adds the 1 only when the ids start at 1
+# (SGLang 0.5.23 deepseek_v2.py:3458-3473, glm4_moe_lite.py:805-820; Kimi-K2.5's language model
+# is DeepseekV3ForCausalLM, kimi_k25.py:693), keyed by the target's architectures[0]
+SGLANG_VERBATIM_TARGETS = frozenset(
+    {
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "KimiK25ForConditionalGeneration",
+        "Glm4MoeLiteForCausalLM",
+    }
+)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -49,3 +71,21 @@ def engine_layer_ids(aux_layers: Sequence[int], engine: Engine) -> list[int]:
 def layers_from_engine_ids(ids: Sequence[int], engine: Engine) -> tuple[int, ...]:
     """The inverse of ``engine_layer_ids``: ``engine``'s ids back to ours."""
     return tuple(int(i) - _OFFSET[engine] for i in ids)
+
+
+def sglang_layer_ids(aux_layers: Sequence[int], target_architecture: str | None) -> list[int] | None:
+    """The ``eagle_config`` ids with which SGLang, serving ``target_architecture``, captures our
+    ``aux_layers``; None where it cannot (a DeepSeek-family target and a list starting at layer 0:
+    its ids would start at 1, which SGLang takes as one-based)."""
+    if target_architecture not in SGLANG_VERBATIM_TARGETS or (aux_layers and aux_layers[0] == 1):
+        return engine_layer_ids(aux_layers, "sglang")
+    if aux_layers and aux_layers[0] == 0:
+        return None
+    return engine_layer_ids(aux_layers, "vllm")  # taken verbatim: the layer whose input is captured
+
+
+def layers_from_sglang_ids(ids: Sequence[int], target_architecture: str | None) -> tuple[int, ...]:
+    """The inverse of ``sglang_layer_ids``."""
+    if target_architecture not in SGLANG_VERBATIM_TARGETS or (ids and int(ids[0]) == 1):
+        return layers_from_engine_ids(ids, "sglang")
+    return layers_from_engine_ids(ids, "vllm")

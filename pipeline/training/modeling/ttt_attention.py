@@ -48,12 +48,11 @@ def _prefix_mask(query_positions: torch.Tensor, key_padding: torch.Tensor | None
     return allowed & key_padding[:, None, None, :] if key_padding is not None else allowed
 
 
-def _eager(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], allowed: torch.Tensor) -> torch.Tensor:
+def _eager(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], allowed: torch.Tensor, scale: float) -> torch.Tensor:
     k0, v0 = keys[0], values[0]
     if len(keys) == 1:
-        return F.scaled_dot_product_attention(q, k0, v0, attn_mask=allowed)
+        return F.scaled_dot_product_attention(q, k0, v0, attn_mask=allowed, scale=scale)
     s0 = k0.shape[2]
-    scale = 1.0 / math.sqrt(q.shape[-1])
     scores = torch.matmul(q, k0.transpose(2, 3)) * scale
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     diagonal = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]
@@ -65,7 +64,12 @@ def _eager(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
 
 
 def _flex(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], query_positions: torch.Tensor, key_padding: torch.Tensor | None
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    query_positions: torch.Tensor,
+    key_padding: torch.Tensor | None,
+    scale: float,
 ) -> torch.Tensor:
     compiled = _compiled()
     if compiled is None:  # flex_available said otherwise
@@ -83,7 +87,7 @@ def _flex(
     length = s0 + (len(keys) - 1) * t
     mask = create_block_mask(pattern, b, None, t, length, device=q.device)
     key, value = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-    return flex_attention(q, key, value, block_mask=mask)
+    return flex_attention(q, key, value, block_mask=mask, scale=scale)
 
 
 def ttt_attention(
@@ -94,9 +98,11 @@ def ttt_attention(
     key_padding: torch.Tensor | None,
     *,
     flex: bool,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """[b, heads, t, d] out of queries ``q`` over the step keys and values so far (each [b,
-    heads, t, d], step 0's over every position)."""
+    """[b, heads, t, d_v] out of queries ``q`` over the step keys and values so far (each [b,
+    heads, t, d], step 0's over every position); softmax scale ``scale``, else ``d ** -0.5``."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if flex:
-        return _flex(q, keys, values, query_positions, key_padding)
-    return _eager(q, keys, values, _prefix_mask(query_positions, key_padding, keys[0].shape[2], q.device))
+        return _flex(q, keys, values, query_positions, key_padding, scale)
+    return _eager(q, keys, values, _prefix_mask(query_positions, key_padding, keys[0].shape[2], q.device), scale)

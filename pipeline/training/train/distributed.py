@@ -31,7 +31,8 @@ def _fully_shard(drafter: Eagle3Drafter) -> None:
     per TTT step, and gathering it seven times would cost seven all-gathers for nothing."""
     from torch.distributed.fsdp import fully_shard
 
-    for module in (drafter.fc, drafter.midlayer, drafter.norm, drafter.lm_head):
+    # EAGLE-3.1's fc_norm is a ModuleList (no forward of its own): each norm is a unit
+    for module in (drafter.fc, *(drafter.fc_norm or ()), drafter.midlayer, drafter.norm, drafter.lm_head):
         fully_shard(module, reshard_after_forward=False)
 
 

@@ -28,6 +28,7 @@ from pipeline.training.features.cache import release_consumed, result_when_stall
 from pipeline.training.features.layout import FeatureSet, feature_set_for_run
 from pipeline.training.features.reader import FeatureShards
 from pipeline.training.modeling.drafter import build_drafter
+from pipeline.training.modeling.drafter_config import geometry_mismatches
 from pipeline.training.modeling.target import head_and_embeddings, pick_device, require_target, target_shape
 from pipeline.training.tracking import Trackers
 from pipeline.training.train.checkpoints import checkpoint_to_resume, write_checkpoint
@@ -110,6 +111,12 @@ class _Trainer:
         state = checkpoint_to_resume(self.checkpoint_path, self.device, self.capture, self.config.features_dir)
         if state is None:
             return
+        changed = geometry_mismatches(state.drafter_config, self.drafter.config.to_dict())
+        if changed:
+            raise ConfigError(
+                f"{self.checkpoint_path}: trained as another drafter than [train] now asks for ({'; '.join(changed)}); "
+                f"delete {self.checkpoint_path.name} to train afresh, or set [train] back"
+            )
         # sharded, every rank reads the full state and keeps its own shard of it
         load_full_state(self.drafter, self.optimizer, state.drafter, state.optimizer, sharded=self.sharded)
         self.scheduler.load_state_dict(state.scheduler)

@@ -1,0 +1,52 @@
+"""Pieces every drafter attention shares: RMSNorm, the two rotary layouts, the per-step cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["DraftCache", "RMSNorm", "rotate_halves", "rotate_pairs"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as Llama lays it out (vLLM's "neox style"): dim i turns with dim i + d/2. ``cos`` and
+    ``sin`` are [..., d], each frequency twice (transformers' tables)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as DeepSeek's MLA lays it out (vLLM's ``is_neox_style=False``): dims 2i and 2i + 1
+    turn together at frequency i. Same tables as ``rotate_halves``; their first half is used."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+
+
+@dataclass
+class DraftCache:
+    """Keys/values per TTT step: step 0 over all positions, later steps at the query positions."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @classmethod
+    def empty(cls) -> DraftCache:
+        return cls([], [])
