@@ -1,0 +1,202 @@
+"""The drafters compared (issue 23): acceptance and parameters of each ``[train] drafter`` at
+equal steps, on four targets.
+
+    python bench/drafters.py [--dir DIR] [--seeds 0 1 2] [--targets demo demo-deepseek deepseek-v3.1 kimi-k2.5]
+
+Targets:
+
+- ``demo``: ``eagleops demo``'s Llama target (briefly pretrained, so its next token has structure
+  to learn) and the data it generated itself.
+- ``demo-deepseek``: the same tiny target built as DeepSeek-V3 (MLA attention, a dense first
+  layer, then MoE: ``build_tiny_model(architecture="deepseek_v3")``), pretrained the same way,
+  generating its own data through the same model server.
+- ``deepseek-v3.1``, ``kimi-k2.5``: the test zoo's stand-ins (the real config.json, tokenizer and
+  chat template at tiny sizes: tests/zoo/build.py), pretrained as the demo's target is (the same
+  steps and text, through their own tokenizer and template), then trained on the demo's
+  generated conversations rendered with their own templates. ``...-random`` (not by default):
+  the stand-ins as the tests use them, random weights, whose next token has nothing to learn.
+
+Each target is generated, prepared and extracted once. Then, for each drafter and seed, train,
+export and eval run on the same features with the same schedule and seed: equal steps (the same
+epochs over the same samples), only ``[train] drafter`` differs. The baseline is ``eagle3``, in
+the same run. Parameters are the exported tensors a server loads (the drafter's own weights, not
+the target's embeddings it shares), without d2t/t2d. Eval is offline (``[eval] backend = hf``):
+the exported drafter loaded back, drafting against the target's greedy decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+from pipeline.config import DRAFTERS
+
+ZOO = ("deepseek-v3.1", "kimi-k2.5")
+TARGETS = ("demo", "demo-deepseek", *ZOO, *(f"{t}-random" for t in ZOO))
+REMOTE_CODE = {"kimi-k2.5"}  # its tokenizer is the model's own code
+
+
+def _cli(*args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "console.cli", *args], env=ENV, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"eagleops {' '.join(args)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+
+def _demo(folder: Path) -> None:
+    if not (folder / "out" / "features").exists():
+        _cli("demo", "--no-tui", "--dir", str(folder))
+
+
+def _demo_deepseek(folder: Path) -> None:
+    """The demo's pipeline on a DeepSeek-V3-shaped tiny target, served by the same model server."""
+    from pipeline.demo.demo import TINY_PRETRAIN_STEPS, DemoRun, write_demo_datasets
+    from pipeline.demo.tinymodel import build_tiny_model
+
+    if (folder / "out" / "features").exists():
+        return
+    model = build_tiny_model(folder / "tiny-deepseek", pretrain_steps=TINY_PRETRAIN_STEPS, architecture="deepseek_v3")
+    write_demo_datasets(folder / "data")
+    with DemoRun(folder.resolve(), model.resolve()).serve() as run:
+        _cli("run", str(run), "--no-tui")
+
+
+def _pretrain(model, files: Path, *, remote_code: bool) -> None:
+    """The demo target's brief pretraining, on the stand-in with its own tokenizer and template
+    (in fp32; the checkpoint is saved in bf16 as the stand-in's always is)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from pipeline.demo.demo import TINY_PRETRAIN_STEPS
+    from pipeline.demo.tinymodel import _pretrain as pretrain_demo
+
+    # only where the tokenizer is the model's own code: DeepSeek's config names code the zoo does not ship
+    tokenizer = AutoTokenizer.from_pretrained(str(files), trust_remote_code=remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token_id = tokenizer.eos_token_id
+    model.float()
+    pretrain_demo(model, tokenizer, TINY_PRETRAIN_STEPS, seed=0, think_share=0.3)
+    model.to(torch.bfloat16)
+
+
+def _zoo(folder: Path, target: str, demo: Path, pretrained: bool) -> None:
+    """A zoo stand-in (pretrained like the demo's target, or left random) on the demo's generated
+    conversations: the demo's run file with the stand-in as target."""
+    from tests.zoo.build import build_tiny
+
+    if (folder / "out" / "features").exists():
+        return
+    model = build_tiny(
+        target, folder / "model", pretrain=functools.partial(_pretrain, remote_code=target in REMOTE_CODE) if pretrained else None
+    )
+    shutil.copytree(demo / "data", folder / "data", dirs_exist_ok=True)
+    for dataset in ("B1", "B2", "B3"):  # what generate wrote: prepare reads it, generate is not run
+        shutil.copytree(demo / "out" / dataset, folder / "out" / dataset, dirs_exist_ok=True)
+    text = (demo / "run.toml").read_text()
+    text = text.replace('tokenizer = "tiny-llama"', f'tokenizer = "{model}"')
+    target_table = f'[target]\nmodel = "{model}"\n' + ("trust_remote_code = true\n" if target in REMOTE_CODE else "")
+    text = text.replace('[target]\nmodel = "tiny-llama"\n', target_table)
+    (folder / "run.toml").write_text(text)
+    for stage in ("prepare", "extract"):
+        _cli(stage, str(folder / "run.toml"), "--no-tui")
+
+
+def _run_file(folder: Path, kind: str, seed: int) -> Path:
+    text = (folder / "run.toml").read_text()
+    assert "\ndrafter =" not in text and "\nseed =" not in text, "the base run file sets neither"
+    out = folder / f"run-{kind}-{seed}.toml"
+    out.write_text(text.replace("[train]\n", f'[train]\ndrafter = "{kind}"\nseed = {seed}\n'))
+    return out
+
+
+def _parameters(drafter: Path) -> int:
+    from math import prod
+
+    from safetensors import safe_open
+
+    with safe_open(str(drafter / "model.safetensors"), "pt") as handle:
+        return sum(prod(handle.get_slice(k).get_shape()) for k in handle.keys() if k not in ("d2t", "t2d"))
+
+
+def measure(folder: Path, kind: str, seed: int) -> dict:
+    out = folder / "out"
+    for name in ("train", "drafter", "drafter-speculators"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    (out / "eval.json").unlink(missing_ok=True)
+    run = _run_file(folder, kind, seed)
+    started = time.perf_counter()
+    _cli("train", str(run), "--no-tui")
+    train_s = time.perf_counter() - started
+    _cli("export", str(run), "--no-tui")
+    _cli("eval", str(run), "--no-tui")
+    history = [json.loads(line) for line in (out / "train" / "history.jsonl").read_text().splitlines() if line.strip()]
+    result = json.loads((out / "eval.json").read_text())
+    return {
+        "acceptance": result["acceptance_length"],
+        "params": _parameters(out / "drafter"),
+        "steps": max(int(row.get("step", 0)) for row in history),
+        "train_s": train_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", type=Path, default=None, help="a folder to reuse (targets made there if absent)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS[:4]), choices=TARGETS)
+    parser.add_argument("--kinds", nargs="+", default=list(DRAFTERS), choices=DRAFTERS)
+    parser.add_argument("--threads", default="2", help="torch threads for every stage: the same in each run")
+    args = parser.parse_args()
+    ENV["EAGLEOPS_THREADS"] = args.threads
+    base = args.dir or Path(tempfile.mkdtemp(prefix="eagleops-drafters-"))
+    base.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    rows = []
+    for target in args.targets:
+        folder = base / target
+        if target == "demo":
+            _demo(folder)
+        elif target == "demo-deepseek":
+            _demo_deepseek(folder)
+        else:
+            _demo(base / "demo")
+            _zoo(folder, target.removesuffix("-random"), base / "demo", pretrained=not target.endswith("-random"))
+        for kind in args.kinds:
+            runs = {seed: measure(folder, kind, seed) for seed in args.seeds}
+            rows.append((target, kind, runs))
+            print(f"# {target} {kind}: {runs}", file=sys.stderr, flush=True)
+    print(f"## Drafters at equal steps (seeds {args.seeds}; baseline eagle3 in the same run; load before {load[0]:.2f})\n")
+    print("| target | drafter | params (exported) | x eagle3 | steps | acceptance by seed | mean | vs eagle3 | train s (mean) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    baseline = {target: runs for target, kind, runs in rows if kind == "eagle3"}
+    for target, kind, runs in rows:
+        mean = statistics.mean(r["acceptance"] for r in runs.values())
+        params = runs[args.seeds[0]]["params"]
+        base_runs = baseline.get(target)
+        ratio = f"{params / base_runs[args.seeds[0]]['params']:.2f}x" if base_runs else "-"
+        change = (
+            f"{statistics.mean(100 * (runs[s]['acceptance'] - base_runs[s]['acceptance']) / base_runs[s]['acceptance'] for s in args.seeds):+.1f}%"
+            if base_runs
+            else "-"
+        )
+        print(
+            f"| {target} | {kind} | {params:,} | {ratio} | {runs[args.seeds[0]]['steps']} | "
+            f"{' / '.join(format(r['acceptance'], '.3f') for r in runs.values())} | {mean:.3f} | {change} | "
+            f"{statistics.mean(r['train_s'] for r in runs.values()):.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
