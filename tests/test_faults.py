@@ -456,6 +456,31 @@ def test_a_day_of_failures_does_not_overflow_the_backoff():
     assert 0 < endpoint.benched_until - pool.clock() <= 30
 
 
+def test_requests_failing_together_are_one_failure_and_do_not_bench_the_server():
+    """A server that stalls drops every request in flight at once (vLLM's keep-alive timers fire
+    late, bench/RESULTS.md, issue 24): that is one failure, not 40, so the endpoint is not benched,
+    while failures of requests sent one after another still bench a dead server."""
+    from pipeline.config import EndpointConfig
+
+    now = [100.0]
+    pool = EndpointPool(
+        (EndpointConfig(base_url="http://127.0.0.1:9/v1", model="m"),), base_bench_s=0.5, max_bench_s=30, clock=lambda: now[0]
+    )
+    endpoint = pool.endpoints[0]
+    now[0] = 105.0
+    for _ in range(40):  # all sent at 100, all dropped at 105
+        pool.failed(endpoint, "connection error: ServerDisconnectedError", sent_at=100.0)
+    assert endpoint.errors == 40 and endpoint.failures_in_a_row == 1 and not endpoint.benched(now[0])
+    for _ in range(2):  # their retries, sent after the failure, fail too: the server is down
+        now[0] += 1
+        sent = now[0]
+        now[0] += 1
+        pool.failed(endpoint, "connection refused", sent_at=sent)
+        pool.failed(endpoint, "connection refused", sent_at=sent)  # its twin of the same round
+    assert endpoint.failures_in_a_row == 3 and endpoint.benched(now[0])
+    assert endpoint.benched_until - now[0] == pytest.approx(0.5)
+
+
 async def test_a_manifest_that_could_not_be_written_is_written_by_the_next_flush(tmp_path, monkeypatch):
     from pipeline.generate.store import DatasetStore, WriteFailed
 

@@ -192,13 +192,14 @@ class ChatClient:
         while True:
             attempt += 1
             endpoint = await self.pool.acquire(avoid=previous)
+            sent_at = self.pool.clock()
             try:
                 reply = await self._attempt(endpoint, messages, thinking, tools)
                 self.pool.succeeded(endpoint)
                 break
             except _Retryable as exc:
                 retry_after = min(exc.retry_after, self.retry.max_delay_s) if exc.retry_after is not None else None
-                self.pool.failed(endpoint, exc.reason, retry_after)
+                self.pool.failed(endpoint, exc.reason, retry_after, sent_at)
                 if attempt >= self.retry.max_attempts:
                     raise PermanentFailure(f"{exc.reason} (gave up after {attempt} attempts)", attempt) from None
                 # another healthy endpoint takes the retry after at most the first backoff (not the

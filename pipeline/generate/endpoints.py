@@ -93,6 +93,7 @@ class RateMeter:
 class EndpointState:
     __slots__ = (
         "config", "in_flight", "requests", "errors", "latencies", "meter", "key", "url", "health_url", "failures_in_a_row", "benched_until",
+        "last_strike_at",
     )  # fmt: skip
 
     def __init__(self, config: EndpointConfig):
@@ -107,6 +108,7 @@ class EndpointState:
         self.meter = RateMeter()
         self.failures_in_a_row = 0
         self.benched_until = 0.0
+        self.last_strike_at = float("-inf")  # when the last failure counted in failures_in_a_row came
 
     def has_room(self) -> bool:
         if self.failures_in_a_row >= BENCH_AFTER:
@@ -170,13 +172,21 @@ class EndpointPool:
         endpoint.benched_until = 0.0
         self._room.set()
 
-    def failed(self, endpoint: EndpointState, reason: str, pause_s: float | None = None) -> None:
-        """A transient failure; ``pause_s`` is the server's own Retry-After (already capped)."""
+    def failed(self, endpoint: EndpointState, reason: str, pause_s: float | None = None, sent_at: float | None = None) -> None:
+        """A transient failure; ``pause_s`` is the server's own Retry-After (already capped);
+        ``sent_at`` (this pool's clock) when the failed attempt was sent.
+
+        Only an attempt sent after the last counted failure adds to ``failures_in_a_row``: the
+        requests in flight when a server hiccups fail together, and 40 of them are one failure,
+        not 40 (counted one by one they benched a server that had stalled for 5 s for 30 s)."""
         endpoint.errors += 1
-        endpoint.failures_in_a_row += 1
+        counted = sent_at is None or sent_at >= endpoint.last_strike_at
+        if counted:
+            endpoint.failures_in_a_row += 1
+            endpoint.last_strike_at = self.clock()
         strikes = endpoint.failures_in_a_row - BENCH_AFTER
         bench = 0.0
-        if strikes >= 0:
+        if counted and strikes >= 0:
             bench = min(self.max_bench_s, self.base_bench_s * 2 ** min(strikes, 30))  # a day-long outage must not overflow
         if pause_s:
             bench = max(bench, pause_s)

@@ -107,7 +107,9 @@ class GenerateStage:
         if warning is not None:  # fewer requests in flight, so none waits for a connection on its timeout
             self.host.log("warning", warning)
             self.shared.slots = asyncio.Semaphore(connections)
-        connector = aiohttp.TCPConnector(limit=connections, ttl_dns_cache=300, enable_cleanup_closed=True)
+        # idle connections are dropped before vLLM's and SGLang's uvicorn drops them (5 s): one
+        # reused as the server closes it fails the request sent on it (aiohttp keeps them 15 s)
+        connector = aiohttp.TCPConnector(limit=connections, ttl_dns_cache=300, enable_cleanup_closed=True, keepalive_timeout=4.0)
         async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
             try:
                 async with self._served_target():
