@@ -97,7 +97,7 @@ def test_train_follows_extract_within_the_cache_bound_on_the_same_curve(referenc
     assert summary.stages["extract"] == StageStatus.DONE and summary.stages["train"] == StageStatus.DONE
     assert watch.overlapped, "train deleted no shard while extract was still writing"
     assert 0 < watch.peak <= bound_gb * 1e9, (watch.peak, bound_gb * 1e9)
-    assert _curve(config) == pytest.approx(reference[1], rel=1e-5, abs=1e-6)
+    assert _curve(config) == pytest.approx(reference[1], rel=1e-4, abs=1e-6)
     consumed = json.loads((config.features_dir / "consumed.json").read_text())
     shards = _index(config.features_dir)["shards"]
     assert consumed["finished_under"] == _index(config.features_dir)["run_token"] and len(consumed["shards"]) >= len(shards) - 1
@@ -167,7 +167,7 @@ def test_a_bounded_overlap_killed_9_resumes_on_the_same_curve(reference, tiny_mo
         assert not _index(config.features_dir).get("complete")
     finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    assert _curve(config) == pytest.approx(reference[1], rel=1e-5, abs=1e-6)
+    assert _curve(config) == pytest.approx(reference[1], rel=1e-4, abs=1e-6)
     assert _index(config.features_dir)["complete"]
 
 
