@@ -73,3 +73,57 @@ def test_rows_no_prompt_waits_for_are_an_error():
 def test_a_prompt_with_no_rows_says_so():
     with pytest.raises(RunError, match="no rows for 1 prompts"):
         assign_rows(np.array([1, 2]), np.array([0, 1]), [[1, 2], [1, 3]])
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_only_the_first_tensor_parallel_rank_captures_and_dumps(tp_rank, tmp_path, monkeypatch):
+    """After each layer's all-reduce every rank of a TP group holds the same residual stream:
+    the rank 0 of the group dumps it, the others capture nothing (at TP 8, not 8 copies)."""
+    import sys
+    import types
+
+    import torch
+
+    from pipeline.servers import vllm_capture
+
+    parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+    parallel_state.get_tensor_model_parallel_rank = lambda: tp_rank  # type: ignore[attr-defined]
+    for name, module in {
+        "vllm": types.ModuleType("vllm"),
+        "vllm.distributed": types.ModuleType("vllm.distributed"),
+        "vllm.distributed.parallel_state": parallel_state,
+    }.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Identity(), torch.nn.Identity()])
+            self.norm = torch.nn.Identity()
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.norm(x)
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Inner()
+
+        def forward(self, input_ids, positions):
+            return self.model(torch.ones(len(input_ids), 4))
+
+    class Worker(vllm_capture.HiddenStateCapture):
+        rank = tp_rank
+        model = Outer()
+
+        def get_model(self):
+            return self.model
+
+    worker = Worker()
+    worker.eagleops_capture_start("[1]")
+    worker.model(input_ids=torch.tensor([5, 6]), positions=torch.tensor([0, 1]))
+    worker.eagleops_capture_dump(str(tmp_path / "d"))
+    dumped = sorted(p.name for p in tmp_path.iterdir())
+    assert dumped == (["d.rank0.safetensors"] if tp_rank == 0 else [])

@@ -250,3 +250,38 @@ def test_a_following_train_takes_no_index_of_other_features(tmp_path):
     FeaturesIndex("prep", [1, 2, 3], 64, 6, "m", storage="fp8", samples=10, shard_samples=4).write(tmp_path)
     with pytest.raises(RunError, match="started over"):  # extract began other features under it
         features.wait_for(9)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8", "int8"])
+def test_the_room_made_for_a_shard_holds_it_whatever_its_samples(storage, tmp_path):
+    """The bound is made before the shard is computed; the largest shard so far is no bound,
+    since the next may hold longer samples (a CI run wrote past the cache that way)."""
+    import torch
+
+    from pipeline.training.artifacts import FeaturesIndex
+    from pipeline.training.features.shards import HEADER_BYTES, shard_bytes_bound, write_feature_shard
+
+    index = FeaturesIndex("prep", [1, 40, 77], 7168, 80, "m", storage=storage, samples=3, shard_samples=3)
+    lengths = [5, 130, 61]
+    chunk = [(torch.arange(n), torch.ones(n, dtype=torch.bool)) for n in lengths]
+    offsets = [0, 5, 135, 196]
+    aux, final = torch.randn(196, 3 * 7168).bfloat16(), torch.randn(196, 7168).bfloat16()
+    write_feature_shard(tmp_path, "shard-00000.safetensors", chunk, offsets, aux, final, 0, index)
+    written = (tmp_path / "shard-00000.safetensors").stat().st_size
+    bound = shard_bytes_bound(index, sum(lengths), len(lengths))
+    assert written <= bound <= written + HEADER_BYTES
+
+
+def test_a_consumed_shard_holds_room_until_its_file_is_gone(tmp_path):
+    """Train records a shard consumed before deleting it: until the file goes, its bytes count."""
+    from pipeline.training.artifacts import FeatureShard, FeaturesIndex
+    from pipeline.training.features.cache import ConsumedShards, live_bytes
+
+    index = FeaturesIndex("prep", [1, 2, 3], 64, 6, "m", samples=8, shard_samples=4)
+    index.shards = {"shard-00000.safetensors": FeatureShard(0, 4, 40, 1000), "shard-00001.safetensors": FeatureShard(4, 4, 40, 900)}
+    for name in index.shards:
+        (tmp_path / name).write_bytes(b"x")
+    ConsumedShards("prep", ["shard-00000.safetensors"]).write(tmp_path)
+    assert live_bytes(tmp_path, index) == 1900
+    (tmp_path / "shard-00000.safetensors").unlink()
+    assert live_bytes(tmp_path, index) == 900

@@ -3,8 +3,9 @@
 It runs inside vLLM's workers (``--worker-extension-cls eagleops_vllm_capture.HiddenStateCapture``),
 so it imports nothing of eagleops: the file is copied beside vLLM's log and put on its path.
 Its methods are called through ``POST /collective_rpc`` (vLLM's dev-mode endpoint) on every
-worker: ``start`` hooks the decoder layers this rank holds (tensor parallel ranks hold all of
-them, pipeline parallel ranks some) and the final norm; every forward then appends, per hooked
+worker: ``start`` hooks the decoder layers this rank holds (pipeline parallel ranks hold some)
+and the final norm, on the first rank of each tensor parallel group only (after each layer's
+all-reduce its peers hold the same residual stream: at TP 8, eight copies of every shard); every forward then appends, per hooked
 layer, the residual stream after that layer (what HF calls ``hidden_states[L + 1]``) and the
 final normed hidden state, and the forward's token ids and positions; ``dump`` writes what was
 captured to a safetensors file per rank and clears it.
@@ -33,6 +34,8 @@ class HiddenStateCapture:
 
     def eagleops_capture_start(self, layers_json: str) -> str:
         self.eagleops_capture_stop()
+        if _tensor_parallel_rank() != 0:  # its peers hold the same residual stream: one dump, not one per rank
+            return "[]"
         model: Any = self.get_model()  # type: ignore[attr-defined]
         inner = model.model
         captured: dict[str, list[torch.Tensor]] = {}
@@ -71,6 +74,15 @@ class HiddenStateCapture:
             hook.remove()
         self._eagleops = ({}, [])
         return "stopped"
+
+
+def _tensor_parallel_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError):  # no tensor parallel group: the one rank
+        return 0
 
 
 def _keep_residual_stream(rows: list[torch.Tensor]) -> Any:

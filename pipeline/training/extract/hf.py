@@ -24,7 +24,7 @@ from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext
 from pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
 from pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
-from pipeline.training.features.shards import write_feature_shard
+from pipeline.training.features.shards import shard_bytes_bound, write_feature_shard
 from pipeline.training.modeling.layers import engine_layer_ids
 from pipeline.training.modeling.target import decoder_stack, load_target, require_target, target_shape
 
@@ -130,9 +130,9 @@ def extract_hf(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
             ctx.checkpoint()
             if config.extract.max_cache_gb and pending is not None:
                 pending.result()  # the shard in flight counts against the bound
-            if not room_for_shard(config, index, ctx, stalls):
-                break
             chunk = samples[first : first + per]
+            if not room_for_shard(config, index, ctx, stalls, shard_bytes_bound(index, sum(len(ids) for ids, _ in chunk), len(chunk))):
+                break
             offsets, aux, final = _compute_shard(model, device, chunk, index, config, ctx, (done_tokens, prepared.tokens), rates)
             if pending is not None:
                 pending.result()

@@ -28,7 +28,7 @@ from pipeline.training.artifacts import FeaturesIndex, load_prepared
 from pipeline.training.context import StageContext, serving
 from pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
 from pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
-from pipeline.training.features.shards import write_feature_shard
+from pipeline.training.features.shards import HEADER_BYTES, shard_bytes_bound, write_feature_shard
 from pipeline.training.modeling.target import target_shape
 
 __all__ = ["extract_served"]
@@ -139,6 +139,15 @@ def capture_shard(
     return offsets, aux.contiguous(), final.contiguous()
 
 
+def _shard_disk_bound(index: FeaturesIndex, chunk: list[Any]) -> int:
+    """The most a shard takes in the features folder while it is made: vLLM's dump of its rows
+    (float32 at worst, with int64 token ids and positions), read and deleted before the shard is
+    written, or the shard."""
+    tokens = sum(len(ids) for ids, _ in chunk)
+    dump = tokens * (4 * index.hidden_size * (len(index.aux_layers) + 1) + 16) + HEADER_BYTES
+    return max(dump, shard_bytes_bound(index, tokens, len(chunk)))
+
+
 def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     import torch
 
@@ -155,9 +164,9 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
         _rpc(server.base_url, "eagleops_capture_start", json.dumps(index.aux_layers))
         for first, name in shards_to_do(index, out, len(samples), per):
             ctx.checkpoint()
-            if not room_for_shard(config, index, ctx, stalls):
-                break
             chunk = samples[first : first + per]
+            if not room_for_shard(config, index, ctx, stalls, _shard_disk_bound(index, chunk)):
+                break
             t0 = time.perf_counter()
             offsets, aux, final = capture_shard(server.base_url, launch.served_name, chunk, index, out / f"{name}.capture", ctx)
             rates.compute_s += time.perf_counter() - t0

@@ -88,17 +88,23 @@ def forget_consumed(directory: Path) -> None:
         (directory / CONSUMED).unlink()
 
 
-def live_bytes(directory: Path, index: FeaturesIndex, consumed: ConsumedShards) -> int:
-    """Bytes of the shards written and not yet trained past."""
-    gone = set(consumed.shards)
-    return sum(shard.bytes for name, shard in index.shards.items() if name not in gone)
+def live_bytes(directory: Path, index: FeaturesIndex) -> int:
+    """Bytes of the written shards still on disk. Read from the folder, not from consumed.json:
+    a train records a shard as consumed before it deletes the file (a kill between leaves a file
+    to delete again, never a consumed shard unrecorded), so for a moment a recorded shard still
+    holds its bytes. One listing, however many shards were consumed before."""
+    try:
+        present = {entry.name for entry in os.scandir(directory)}
+    except FileNotFoundError:
+        return 0
+    return sum(shard.bytes for name, shard in index.shards.items() if name in present)
 
 
 def cache_bytes(config: Any, index: FeaturesIndex) -> int:
-    """The feature shards on disk now: under ``max_cache_gb``, those not yet trained past."""
+    """The feature shards on disk now: under ``max_cache_gb``, those not yet deleted."""
     if not config.extract.max_cache_gb:
         return sum(shard.bytes for shard in index.shards.values())
-    return live_bytes(config.features_dir, index, ConsumedShards.read(config.features_dir, index.prepared))
+    return live_bytes(config.features_dir, index)
 
 
 def publish_cache(config: Any, index: FeaturesIndex, ctx: Any) -> None:
@@ -182,18 +188,17 @@ class StallWatch:
         return live
 
 
-def room_for_shard(config: Any, index: FeaturesIndex, ctx: Any, stalls: StallWatch) -> bool:
-    """Before extract computes a shard: under ``extract.max_cache_gb``, block while one more
-    would pass the bound. False when a train has finished under this extract (nothing will free
-    room: extract stops there)."""
+def room_for_shard(config: Any, index: FeaturesIndex, ctx: Any, stalls: StallWatch, next_bytes: int) -> bool:
+    """Before extract computes a shard that will take at most ``next_bytes`` on disk: under
+    ``extract.max_cache_gb``, block while it would pass the bound. False when a train has
+    finished under this extract (nothing will free room: extract stops there)."""
     if not config.extract.max_cache_gb:
         return True
     directory, max_bytes = config.features_dir, int(config.extract.max_cache_gb * 1e9)
-    largest = max((shard.bytes for shard in index.shards.values()), default=0)
     while True:
         consumed = ConsumedShards.read(directory, index.prepared)
-        live = live_bytes(directory, index, consumed)
-        if live == 0 or live + largest <= max_bytes:
+        live = live_bytes(directory, index)
+        if live == 0 or live + next_bytes <= max_bytes:
             return True
         if ctx.partner_done.is_set() or (consumed.finished_under and consumed.finished_under == index.run_token):
             ctx.log("info", f"extract: stopped at {len(index.shards)} shards: train has finished and the cache is full")

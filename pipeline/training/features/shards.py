@@ -14,11 +14,24 @@ from typing import Any
 
 from pipeline.training.artifacts import FeatureShard, FeaturesIndex
 
-__all__ = ["CODECS", "Codec", "shard_name", "write_feature_shard"]
+__all__ = ["CODECS", "Codec", "HEADER_BYTES", "shard_bytes_bound", "shard_name", "write_feature_shard"]
+
+# a safetensors header: 8 bytes of length, then JSON naming at most 11 tensors (about 90 bytes
+# each) and our metadata; 4 KiB holds it with room to spare
+HEADER_BYTES = 4096
 
 
 def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
+
+
+def shard_bytes_bound(index: FeaturesIndex, tokens: int, samples: int) -> int:
+    """At least the bytes ``write_feature_shard`` writes for ``samples`` samples of ``tokens``
+    tokens in all: a bounded cache makes room for this before extract computes the shard (the
+    largest shard so far is no bound: the next may hold longer samples)."""
+    codec = CODECS[index.storage]
+    per_token = 4 + 1 + codec.bytes(index.hidden_size, len(index.aux_layers)) + codec.bytes(index.hidden_size, 1)
+    return tokens * per_token + 8 * (samples + 1) + HEADER_BYTES
 
 
 def write_feature_shard(
