@@ -5,6 +5,8 @@ rounds in alternating order:
 
 - ``raw``: served_throughput's bare aiohttp loop (the baseline);
 - ``raw+scrape``: the same loop plus a ``GET /metrics`` every 6 s, as eagleops' telemetry does;
+- ``raw+ids``: the same loop asking what eagleops asks of a vLLM server besides: the reply's
+  token ids (``return_token_ids``, which prepare trains on) and ``top_p`` 1.0;
 - ``ours``: eagleops' whole generate stage;
 - ``ours-quiet``: the same with its ``/metrics`` scrape stubbed out.
 
@@ -12,7 +14,7 @@ Everything is read from outside the clients: progress from the server's own acce
 ``POST`` lines, sampled every 0.1 s), CPU-seconds of vLLM's API process, its engine core and this
 process from /proc. A stall is 1 s or more without a new POST line inside a round.
 
-    EAGLEOPS_VLLM_PYTHON=/path/to/vllm-venv/bin/python python bench/generate_stalls.py [--cycles 4] [--in-flight 64]
+    EAGLEOPS_VLLM_PYTHON=/path/to/vllm-venv/bin/python python bench/generate_stalls.py [--cycles 4] [--in-flight 64] [--arms raw ours ...]
 
 Prints each round on stderr and a Markdown table of the arms, with the median of raw's rounds
 as the baseline. Four cycles take about 3 minutes on 2 cores.
@@ -38,7 +40,7 @@ from pipeline.demo.demo import TINY_PRETRAIN_STEPS
 from pipeline.demo.tinymodel import build_tiny_model
 from pipeline.servers.vllm import VllmLaunch, vllm_python, vllm_server
 
-ARMS = ("raw", "ours", "raw+scrape", "ours-quiet")
+ARMS = ("raw", "ours", "raw+scrape", "ours-quiet", "raw+ids")
 PER_ROUND, OUTPUT_LEN, SCRAPE_EVERY_S = 600, 64, 6.0
 SCRAPE = telemetry.scrape_metrics
 
@@ -119,33 +121,76 @@ class ServerWatch(threading.Thread):
         return tuple(round((rows[-1][i] - rows[0][i]) / span, 2) for i in (2, 3, 4))  # type: ignore[return-value]
 
 
+TCP_COUNTERS = ("ActiveOpens", "RetransSegs", "TCPLossProbes", "TCPTimeouts", "ListenDrops", "TCPSynRetrans", "TCPAbortOnClose")
+
+
+def _tcp_counters() -> dict[str, int]:
+    """The kernel's TCP counters (/proc/net/snmp, /proc/net/netstat) that say how many connections
+    were opened and whether any SYN was dropped or sent again: 1 s, then 3 s, of silence each."""
+    found: dict[str, int] = {}
+    for table in ("/proc/net/snmp", "/proc/net/netstat"):
+        lines = Path(table).read_text().splitlines()
+        for names, values in zip(lines[::2], lines[1::2], strict=False):
+            found.update(zip(names.split()[1:], map(int, values.split()[1:]), strict=False))
+    return {name: found.get(name, 0) for name in TCP_COUNTERS}
+
+
+def _dump_stalls(watch: ServerWatch, stalls: int) -> None:
+    """In each of the first ``stalls`` stalls (1 s without a reply inside a round): where this
+    client, vLLM's API process and its engine core are, read without pausing them (py-spy
+    --nonblocking: a paused server drops its connections)."""
+    import subprocess
+
+    targets = [("client", psutil.Process().pid), ("api", watch.api.pid), *(("engine", c.pid) for c in watch.core)]
+    seen, changed, dumped = -1, time.time(), False
+    while stalls:
+        time.sleep(0.1)
+        if watch.posts != seen:
+            seen, changed, dumped = watch.posts, time.time(), False
+        elif watch.round and not dumped and time.time() - changed > 1.0:
+            dumped, stalls = True, stalls - 1
+            for name, pid in targets:
+                done = subprocess.run(["py-spy", "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+                print(
+                    f"--- {name} in a stall of {watch.round}, {time.time() - changed:.1f} s in\n{done.stdout[-5000:]}{done.stderr[-300:]}",
+                    file=sys.stderr,
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cycles", type=int, default=4)
     parser.add_argument("--in-flight", type=int, default=64)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS[:4]))
+    parser.add_argument("--dump", type=int, default=0, help="py-spy (--nonblocking) the client, API and engine in the first N stalls")
     args = parser.parse_args()
-    cycles, in_flight = args.cycles, args.in_flight
+    cycles, in_flight, arms = args.cycles, args.in_flight, tuple(args.arms)
     served.WORK.mkdir(parents=True, exist_ok=True)
     model_dir = build_tiny_model(served.WORK / "tiny-llama", pretrain_steps=TINY_PRETRAIN_STEPS)
     launch = VllmLaunch(python=vllm_python(), model=model_dir, served_name="tiny", max_model_len=1024,
                         extra_args=(*served.CPU_FLAGS, "--max-num-seqs", "64"), env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
-    prompts = served._prompts(PER_ROUND * (cycles * len(ARMS) + 1))
+    prompts = served._prompts(PER_ROUND * (cycles * len(arms) + 1))
     log = served.WORK / "vllm-stalls.log"
     load = psutil.getloadavg()[0]
-    rounds: dict[str, list[tuple[float, list[float], tuple[float, float, float]]]] = {arm: [] for arm in ARMS}
+    rounds: dict[str, list[tuple[float, list[float], tuple[float, float, float]]]] = {arm: [] for arm in arms}
     with vllm_server(launch, log_path=log, log=served._log) as server:
         watch = ServerWatch(server, log)
         watch.start()
+        if args.dump:
+            threading.Thread(target=_dump_stalls, args=(watch, args.dump), daemon=True).start()
         served._eagleops(server.base_url, prompts[:16], 8, 8, -1)  # warm-up
         n = 0
         for cycle in range(cycles):
-            for arm in ARMS if cycle % 2 == 0 else ARMS[::-1]:
+            for arm in arms if cycle % 2 == 0 else arms[::-1]:
                 n += 1
                 batch, tag = prompts[n * PER_ROUND : (n + 1) * PER_ROUND], f"{arm}#{n}"
                 watch.round = tag
+                tcp_before = _tcp_counters()
                 if arm.startswith("ours"):
                     telemetry.scrape_metrics = _no_scrape if arm == "ours-quiet" else SCRAPE
                     rate = served._eagleops(server.base_url, batch, in_flight, OUTPUT_LEN, n).window_rate
+                elif arm == "raw+ids":
+                    rate = served._raw_loop(server.base_url, batch, in_flight, OUTPUT_LEN, {"top_p": 1.0, "return_token_ids": True})
                 elif arm == "raw+scrape":
                     rate = _raw_with_scrape(server.base_url, batch, in_flight)
                 else:
@@ -153,11 +198,15 @@ def main() -> None:
                 watch.round = ""
                 time.sleep(0.3)
                 gaps, cpu = watch.stalls(tag), watch.cpu_rates(tag)
+                tcp = {k: v - tcp_before[k] for k, v in _tcp_counters().items()}
                 rounds[arm].append((rate, gaps, cpu))
-                print(f"{tag:15s} {rate:6.0f} tok/s  stalls {[round(g, 1) for g in gaps]}  cpu-s/s api,core,client {cpu}", file=sys.stderr)
+                print(
+                    f"{tag:15s} {rate:6.0f} tok/s  stalls {[round(g, 1) for g in gaps]}  cpu-s/s api,core,client {cpu}  tcp {tcp}",
+                    file=sys.stderr,
+                )
                 time.sleep(1.0)
-    baseline = median(r[0] for r in rounds["raw"])
-    print(f"\n{cycles} cycles of {len(ARMS)} rounds, {PER_ROUND} prompts at {in_flight} in flight; load before {load:.2f}\n")
+    baseline = median(r[0] for r in rounds["raw"]) if "raw" in rounds else float("nan")
+    print(f"\n{cycles} cycles of {len(arms)} rounds, {PER_ROUND} prompts at {in_flight} in flight; load before {load:.2f}\n")
     print("| arm | tok/s by round | median | vs raw | stalls (s) | cpu-s/s api, core, client (median) |")
     print("|---|---|---|---|---|---|")
     for arm, rows in rounds.items():

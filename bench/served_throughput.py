@@ -76,12 +76,12 @@ def _vllm_client(launch: VllmLaunch, base_url: str, model_dir: Path, prompts: li
     return float(json.loads(result.read_text())["output_throughput"])
 
 
-def _raw_loop(base_url: str, prompts: list[str], concurrency: int, output_len: int) -> float:
+def _raw_loop(base_url: str, prompts: list[str], concurrency: int, output_len: int, extra: dict | None = None) -> float:
     """The baseline of issue 24: a bare aiohttp loop, ``concurrency`` workers pulling the same
     prompts in order, each a non-streamed chat completion with the same sampling; completion
     tokens per second, from the first request to the last reply. A request whose kept-alive
     connection the server closed meanwhile (``ServerDisconnectedError``: uvicorn drops idle
-    connections after 5 s) is sent again, as any client must."""
+    connections after 5 s) is sent again, as any client must. ``extra``: more fields for the body."""
     import aiohttp
 
     async def run() -> float:
@@ -96,7 +96,7 @@ def _raw_loop(base_url: str, prompts: list[str], concurrency: int, output_len: i
                 while not queue.empty():
                     prompt = queue.get_nowait()
                     body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": output_len,
-                            "temperature": 1.0, "ignore_eos": True}  # fmt: skip
+                            "temperature": 1.0, "ignore_eos": True, **(extra or {})}  # fmt: skip
                     for attempt in range(3):
                         try:
                             async with session.post(f"{base_url}/v1/chat/completions", json=body) as response:
