@@ -86,21 +86,12 @@ class ServerWatch(threading.Thread):
         self.posts, self.round = 0, ""
         self.samples: list[tuple[float, int, float, float, float, str]] = []
 
-    @staticmethod
-    def _cpu(procs: list[psutil.Process]) -> float:
-        total = 0.0
-        for proc in procs:
-            try:
-                times = proc.cpu_times()
-                total += times.user + times.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
-
     def run(self) -> None:
         while True:
             self.posts += self.log.read().count(b'"POST ')
-            self.samples.append((time.time(), self.posts, self._cpu([self.api]), self._cpu(self.core), self._cpu([self.me]), self.round))
+            self.samples.append(
+                (time.time(), self.posts, served.cpu_s([self.api]), served.cpu_s(self.core), served.cpu_s([self.me]), self.round)
+            )
             time.sleep(0.1)
 
     def stalls(self, tag: str) -> list[float]:

@@ -125,8 +125,15 @@ def _server_cpu_s(server: object) -> float:
     import psutil
 
     root = psutil.Process(server._proc.pid)  # type: ignore[attr-defined]
+    return cpu_s([root, *root.children(recursive=True)])
+
+
+def cpu_s(procs: list) -> float:
+    """CPU-seconds these processes have used (those gone meanwhile count nothing)."""
+    import psutil
+
     total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
+    for proc in procs:
         try:
             times = proc.cpu_times()
             total += times.user + times.system
