@@ -11,8 +11,11 @@ rounds in alternating order:
 - ``ours-quiet``: the same with its ``/metrics`` scrape stubbed out.
 
 Everything is read from outside the clients: progress from the server's own access log (its
-``POST`` lines, sampled every 0.1 s), CPU-seconds of vLLM's API process, its engine core and this
-process from /proc. A stall is 1 s or more without a new POST line inside a round.
+``POST`` lines, sampled every 0.1 s), CPU-seconds of vLLM's API process, its engine (core and
+worker processes) and this process, and how long this process's threads waited, runnable, for a
+core (schedstat), from /proc. A stall is 1 s or more without a new POST line inside a round.
+``--server-cpus 1 --client-cpus 0`` puts the server and the client on cores of their own;
+``stall_probe/`` times each hop of every request inside both.
 
     EAGLEOPS_VLLM_PYTHON=/path/to/vllm-venv/bin/python python bench/generate_stalls.py [--cycles 4] [--in-flight 64] [--arms raw ours ...]
 
@@ -23,6 +26,7 @@ as the baseline. Four cycles take about 3 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 import time
@@ -79,19 +83,20 @@ class ServerWatch(threading.Thread):
         tether = psutil.Process(server._proc.pid)  # type: ignore[attr-defined]
         # the launch runs the API server under a tether process: its child is the real one
         self.api = next(c for c in tether.children() if "api_server" in " ".join(c.cmdline()))
-        self.core = [c for c in self.api.children(recursive=True) if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
+        # the engine: its core process (which spin-waits for the model's output) and the worker
+        # process that runs the model (vLLM binds it to a core of its own)
+        self.engine = self.api.children(recursive=True)
         self.me = psutil.Process()
         self.log = log.open("rb")
         self.log.seek(0, 2)
         self.posts, self.round = 0, ""
-        self.samples: list[tuple[float, int, float, float, float, str]] = []
+        self.samples: list[tuple[float, int, float, float, float, str, float, float]] = []
 
     def run(self) -> None:
         while True:
             self.posts += self.log.read().count(b'"POST ')
-            self.samples.append(
-                (time.time(), self.posts, served.cpu_s([self.api]), served.cpu_s(self.core), served.cpu_s([self.me]), self.round)
-            )
+            self.samples.append((time.monotonic(), self.posts, served.cpu_s([self.api]), served.cpu_s(self.engine),
+                                 served.cpu_s([self.me]), self.round, run_delay_s([self.api]), run_delay_s(self.engine), run_delay_s([self.me])))  # fmt: skip
             time.sleep(0.1)
 
     def stalls(self, tag: str) -> list[float]:
@@ -105,11 +110,25 @@ class ServerWatch(threading.Thread):
                 last_change = now[0]
         return gaps
 
-    def cpu_rates(self, tag: str) -> tuple[float, float, float]:
-        """CPU-seconds a second of the API process, the engine core and the client in ``tag``."""
+    def cpu_rates(self, tag: str) -> tuple[float, ...]:
+        """Seconds a second in ``tag``: CPU of the API process, the engine and the client, then
+        the time the client's threads waited, runnable, for a core."""
         rows = [s for s in self.samples if s[5] == tag]
         span = rows[-1][0] - rows[0][0]
-        return tuple(round((rows[-1][i] - rows[0][i]) / span, 2) for i in (2, 3, 4))  # type: ignore[return-value]
+        return tuple(round((rows[-1][i] - rows[0][i]) / span, 2) for i in (2, 3, 4, 8))
+
+
+def run_delay_s(procs: list[psutil.Process]) -> float:
+    """Seconds the threads of ``procs`` have waited, runnable, for a core (the second field of
+    each thread's /proc schedstat): a process starved of CPU shows it; an idle one does not."""
+    total = 0
+    for proc in procs:
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError):
+                pass  # a thread that ended between the listing and the read
+    return total / 1e9
 
 
 TCP_COUNTERS = ("ActiveOpens", "RetransSegs", "TCPLossProbes", "TCPTimeouts", "ListenDrops", "TCPSynRetrans", "TCPAbortOnClose")
@@ -132,18 +151,18 @@ def _dump_stalls(watch: ServerWatch, stalls: int) -> None:
     --nonblocking: a paused server drops its connections)."""
     import subprocess
 
-    targets = [("client", psutil.Process().pid), ("api", watch.api.pid), *(("engine", c.pid) for c in watch.core)]
-    seen, changed, dumped = -1, time.time(), False
+    targets = [("client", psutil.Process().pid), ("api", watch.api.pid), *(("engine", c.pid) for c in watch.engine)]
+    seen, changed, dumped = -1, time.monotonic(), False
     while stalls:
         time.sleep(0.1)
         if watch.posts != seen:
-            seen, changed, dumped = watch.posts, time.time(), False
-        elif watch.round and not dumped and time.time() - changed > 1.0:
+            seen, changed, dumped = watch.posts, time.monotonic(), False
+        elif watch.round and not dumped and time.monotonic() - changed > 1.0:
             dumped, stalls = True, stalls - 1
             for name, pid in targets:
                 done = subprocess.run(["py-spy", "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
                 print(
-                    f"--- {name} in a stall of {watch.round}, {time.time() - changed:.1f} s in\n{done.stdout[-5000:]}{done.stderr[-300:]}",
+                    f"--- {name} in a stall of {watch.round}, {time.monotonic() - changed:.1f} s in\n{done.stdout[-5000:]}{done.stderr[-300:]}",
                     file=sys.stderr,
                 )
 
@@ -153,6 +172,9 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=4)
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS[:4]))
+    parser.add_argument("--client-cpus", type=int, nargs="+", help="once the server is up, run this client on these CPUs only")
+    parser.add_argument("--server-cpus", type=int, nargs="+", help="once the server is up, run every thread of it on these CPUs only")
+    parser.add_argument("--samples", type=Path, help="write every 0.1 s sample (monotonic time) here as JSON lines")
     parser.add_argument("--dump", type=int, default=0, help="py-spy (--nonblocking) the client, API and engine in the first N stalls")
     args = parser.parse_args()
     cycles, in_flight, arms = args.cycles, args.in_flight, tuple(args.arms)
@@ -163,8 +185,10 @@ def main() -> None:
     prompts = served._prompts(PER_ROUND * (cycles * len(arms) + 1))
     log = served.WORK / "vllm-stalls.log"
     load = psutil.getloadavg()[0]
-    rounds: dict[str, list[tuple[float, list[float], tuple[float, float, float]]]] = {arm: [] for arm in arms}
+    rounds: dict[str, list[tuple[float, list[float], tuple[float, ...]]]] = {arm: [] for arm in arms}
     with vllm_server(launch, log_path=log, log=served._log) as server:
+        served.pin(served.server_tree(server), args.server_cpus)
+        served.pin([psutil.Process()], args.client_cpus)
         watch = ServerWatch(server, log)
         watch.start()
         if args.dump:
@@ -176,6 +200,7 @@ def main() -> None:
                 n += 1
                 batch, tag = prompts[n * PER_ROUND : (n + 1) * PER_ROUND], f"{arm}#{n}"
                 watch.round = tag
+                print(f"{tag} starts at monotonic {time.monotonic():.3f}", file=sys.stderr)
                 tcp_before = _tcp_counters()
                 if arm.startswith("ours"):
                     telemetry.scrape_metrics = _no_scrape if arm == "ours-quiet" else SCRAPE
@@ -192,18 +217,20 @@ def main() -> None:
                 tcp = {k: v - tcp_before[k] for k, v in _tcp_counters().items()}
                 rounds[arm].append((rate, gaps, cpu))
                 print(
-                    f"{tag:15s} {rate:6.0f} tok/s  stalls {[round(g, 1) for g in gaps]}  cpu-s/s api,core,client {cpu}  tcp {tcp}",
+                    f"{tag:15s} {rate:6.0f} tok/s  stalls {[round(g, 1) for g in gaps]}  cpu-s/s api,engine,client, client's run-queue wait s/s {cpu}  tcp {tcp}",
                     file=sys.stderr,
                 )
                 time.sleep(1.0)
+    if args.samples:
+        args.samples.write_text("".join(json.dumps(sample) + "\n" for sample in watch.samples))
     baseline = median(r[0] for r in rounds["raw"]) if "raw" in rounds else float("nan")
     print(f"\n{cycles} cycles of {len(arms)} rounds, {PER_ROUND} prompts at {in_flight} in flight; load before {load:.2f}\n")
-    print("| arm | tok/s by round | median | vs raw | stalls (s) | cpu-s/s api, core, client (median) |")
+    print("| arm | tok/s by round | median | vs raw | stalls (s) | CPU-s/s api, engine, client; client's run-queue wait s/s (median) |")
     print("|---|---|---|---|---|---|")
     for arm, rows in rounds.items():
         mid = median(r[0] for r in rows)
         gaps = [round(g, 1) for r in rows for g in r[1]]
-        cpu = tuple(round(median(r[2][i] for r in rows), 2) for i in range(3))
+        cpu = tuple(round(median(r[2][i] for r in rows), 2) for i in range(4))
         print(f"| {arm} | {' / '.join(f'{r[0]:,.0f}' for r in rows)} | {mid:,.0f} | {mid / baseline:.2f}x | {gaps or 'none'} | {cpu} |")
 
 

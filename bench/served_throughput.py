@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -122,16 +123,26 @@ def _own_cpu_s() -> float:
 
 def _server_cpu_s(server: object) -> float:
     """CPU-seconds the server's whole process tree has used, read from /proc by psutil."""
-    import psutil
+    return cpu_s(server_tree(server))
 
-    root = psutil.Process(server._proc.pid)  # type: ignore[attr-defined]
-    return cpu_s([root, *root.children(recursive=True)])
+
+def pin(procs: list, cpus: list[int] | None) -> None:
+    """Every thread of ``procs`` (psutil processes) on ``cpus`` only; a process's affinity call
+    moves only its calling thread. Separate cores for the server and the client keep this VM's
+    scheduler from packing both onto one vCPU (bench/RESULTS.md, issue 24)."""
+    for proc in procs if cpus else ():
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), set(cpus))
+
+
+def server_tree(server: object) -> list:
+    """The processes of a running ``vllm_server``: its tether and everything under it."""
+    tether = psutil.Process(server._proc.pid)  # type: ignore[attr-defined]
+    return [tether, *tether.children(recursive=True)]
 
 
 def cpu_s(procs: list) -> float:
     """CPU-seconds these processes have used (those gone meanwhile count nothing)."""
-    import psutil
-
     total = 0.0
     for proc in procs:
         try:
@@ -250,6 +261,8 @@ def main() -> None:
     parser.add_argument("--capture-prompts", type=int, default=512)
     parser.add_argument("--vllm-defaults", action="store_true", help="capture: also against vLLM's default scheduling")
     parser.add_argument("--parts", nargs="+", choices=("generate", "capture"), default=["generate", "capture"])
+    parser.add_argument("--server-cpus", type=int, nargs="+", help="generate: once it is up, every thread of the server on these CPUs")
+    parser.add_argument("--client-cpus", type=int, nargs="+", help="generate: then every thread of this client on these CPUs")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     model_dir = build_tiny_model(WORK / "tiny-llama", pretrain_steps=TINY_PRETRAIN_STEPS)
@@ -263,6 +276,10 @@ def main() -> None:
         prompts = _prompts(args.prompts * (2 * args.repeats * len(args.in_flight) + 1))
         rounds = iter(range(1, len(prompts) // args.prompts))
         with vllm_server(launch, log_path=WORK / "vllm.log", log=_log) as server:
+            pin(server_tree(server), args.server_cpus)
+            pin([psutil.Process()], args.client_cpus)
+            if args.server_cpus or args.client_cpus:
+                print(f"(server on CPUs {args.server_cpus or 'any'}, client on {args.client_cpus or 'any'})\n")
             _eagleops(server.base_url, prompts[:16], 8, 8, -1)  # warm-up: first requests compile kernels
             for concurrency in args.in_flight:
                 names = ("eagleops", "raw loop")
