@@ -128,8 +128,8 @@ def _server_cpu_s(server: object) -> float:
 
 def pin(procs: list, cpus: list[int] | None) -> None:
     """Every thread of ``procs`` (psutil processes) on ``cpus`` only; a process's affinity call
-    moves only its calling thread. Separate cores for the server and the client keep this VM's
-    scheduler from packing both onto one vCPU (bench/RESULTS.md, issue 24)."""
+    moves only its calling thread. Separate cores keep the client off the core where vLLM's engine
+    core spin-waits for its worker (bench/RESULTS.md, issue 24)."""
     for proc in procs if cpus else ():
         for task in Path(f"/proc/{proc.pid}/task").iterdir():
             os.sched_setaffinity(int(task.name), set(cpus))

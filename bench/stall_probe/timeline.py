@@ -39,10 +39,10 @@ def main() -> None:
         sample = json.loads(line)
         if args.start <= sample[0] < args.end:
             samples.setdefault(int((sample[0] - args.start) / args.step), sample)
-    print("t (s)  " + " ".join(f"{e:>9}" for e in EVENTS) + "  step-s  | run-queue wait s: api, engine, client")
+    print("t (s)  " + " ".join(f"{e:>9}" for e in EVENTS) + "  step-s  | run-queue wait s: api, client")
     for bucket in range(int((args.end - args.start) / args.step) + 1):
         now, after = samples.get(bucket), samples.get(bucket + 1)
-        waits = f"{after[6] - now[6]:.3f} {after[7] - now[7]:.3f} {after[8] - now[8]:.3f}" if now and after else ""
+        waits = f"{after[6] - now[6]:.3f} {after[7] - now[7]:.3f}" if now and after else ""
         row = " ".join(f"{counts[bucket][e]:9d}" for e in EVENTS)
         print(f"{bucket * args.step:5.1f}  {row}  {busy[bucket]:6.3f}  | {waits}")
 
