@@ -159,9 +159,12 @@ class EagleOpsApp(App[int]):
             self.write_log("the run has finished; press q to quit", "info")
 
     def write_log(self, line: str, level: str = "info", dataset: str | None = None) -> None:
-        self.query_one(LogView).add(line, level, dataset)
+        if self.is_running:  # closing: the screen's widgets go before the timers and the pump stop
+            self.query_one(LogView).add(line, level, dataset)
 
     def refresh_panes(self) -> None:
+        if not self.is_running:  # closing: a tick that lands while the screens are pruned has nothing to draw
+            return
         status, ml = self.query_one(RunStatus), self.query_one(TrainingView)
         if self.state.version == self._rendered_version:
             status.render_state(self.state)  # the elapsed time moves on

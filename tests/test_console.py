@@ -766,6 +766,17 @@ async def test_enter_shows_a_datasets_detail_from_the_engine(tmp_path, fault_ser
     await server.close()
 
 
+async def test_a_tick_or_log_line_while_the_app_closes_draws_nothing():
+    """Textual prunes the screens before it stops the app's timers and workers: a refresh tick or
+    a last log line from the event pump can land with the widgets gone (seen once in CI)."""
+    app = EagleOpsApp(ScriptedLink(fixed_events()), refresh_s=0.1)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+    assert not app.is_running
+    app.refresh_panes()
+    app.write_log("the engine has stopped; press q to close", "warning")
+
+
 async def test_the_help_screen_scrolls_to_its_last_line_at_80x24():
     app = EagleOpsApp(ScriptedLink(fixed_events()))
     async with app.run_test(size=(80, 24)) as pilot:
