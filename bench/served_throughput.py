@@ -14,6 +14,9 @@
 
     EAGLEOPS_VLLM_PYTHON=/path/to/vllm-venv/bin/python python bench/served_throughput.py
 
+``--serve-cpus 1`` starts the server as ``[serve] cpus = "1"`` does (on core 1; this process,
+both clients included, keeps to the other cores): the product's answer to issue 24.
+
 Prints a Markdown table for bench/RESULTS.md (each round's figures on stderr). The defaults
 (600 prompts a round, 5 paired rounds at each of 16 and 64 in flight) take about 15 minutes on 2 cores.
 """
@@ -43,6 +46,7 @@ from pipeline.config import parse_run
 from pipeline.demo.demo import TINY_PRETRAIN_STEPS
 from pipeline.demo.tinymodel import build_tiny_model, sample_text
 from pipeline.engine import Engine
+from pipeline.placement import cpu_list, parse_cpu_list
 from pipeline.servers.vllm import VllmLaunch, complete_batch, vllm_python, vllm_server
 from pipeline.training.extract.served import _rpc, capture_launch, capture_shard
 
@@ -261,13 +265,17 @@ def main() -> None:
     parser.add_argument("--capture-prompts", type=int, default=512)
     parser.add_argument("--vllm-defaults", action="store_true", help="capture: also against vLLM's default scheduling")
     parser.add_argument("--parts", nargs="+", choices=("generate", "capture"), default=["generate", "capture"])
+    parser.add_argument(
+        "--serve-cpus", default="", help="as [serve] cpus: the server starts on these cores, this process keeps to the rest"
+    )
     parser.add_argument("--server-cpus", type=int, nargs="+", help="generate: once it is up, every thread of the server on these CPUs")
     parser.add_argument("--client-cpus", type=int, nargs="+", help="generate: then every thread of this client on these CPUs")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     model_dir = build_tiny_model(WORK / "tiny-llama", pretrain_steps=TINY_PRETRAIN_STEPS)
     launch = VllmLaunch(python=vllm_python(), model=model_dir, served_name="tiny", max_model_len=1024,
-                        extra_args=CPU_FLAGS + ("--max-num-seqs", str(max(args.in_flight))), env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+                        extra_args=CPU_FLAGS + ("--max-num-seqs", str(max(args.in_flight))), env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                        cpus=parse_cpu_list(args.serve_cpus))  # fmt: skip
     print(f"## Served throughput (vllm-cpu, tiny target; {os.cpu_count()} cores, load before: {os.getloadavg()[0]:.2f})\n")
     print("| measure | eagleops | baseline | ratio |")
     print("|---|---|---|---|")
@@ -280,6 +288,9 @@ def main() -> None:
             pin([psutil.Process()], args.client_cpus)
             if args.server_cpus or args.client_cpus:
                 print(f"(server on CPUs {args.server_cpus or 'any'}, client on {args.client_cpus or 'any'})\n")
+            if launch.cpus:  # from outside: what the kernel says each side may run on
+                client = cpu_list(os.sched_getaffinity(0))
+                print(f"([serve] cpus: server on CPUs {cpu_list(server_tree(server)[-1].cpu_affinity())}, client on {client})\n")
             _eagleops(server.base_url, prompts[:16], 8, 8, -1)  # warm-up: first requests compile kernels
             for concurrency in args.in_flight:
                 names = ("eagleops", "raw loop")

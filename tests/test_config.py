@@ -92,6 +92,8 @@ max_samples = 5
             '[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\n[sampling]\nextra = { n = 2, top_k = 5 }\n',
             "sampling.extra: `n` is not an extra field",
         ),
+        ('[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\n[serve]\ncpus = "3-1"\n', "serve.cpus: must list cores like 1-3,6"),
+        ('[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\n[serve]\ncpus = "one"\n', "serve.cpus: must list cores like 1-3,6"),
         (
             '[[datasets]]\nname = "B1"\npath = "a"\ntoken_budget = 5\n[sampling]\nextra = { chat_template_kwargs = "off" }\n',
             "sampling.extra: `chat_template_kwargs` must be a table",

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.engine import Engine
+from pipeline.errors import ConfigError
 from pipeline.protocol.events import StageStatus
 from pipeline.servers.supervisor import ServerFailed, SupervisedServer
 
@@ -54,6 +55,36 @@ def test_a_killed_server_is_restarted_and_stopped_for_good(tmp_path):
     assert any("restart 1/2" in message for _, message in events)
     with pytest.raises(ProcessLookupError):
         os.killpg(second, 0)  # the whole group is gone
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a server on cores of its own needs two")
+def test_a_server_on_its_own_cores_and_eagleops_on_the_rest(tmp_path):
+    import psutil
+
+    mine = frozenset(os.sched_getaffinity(0))
+    cores = frozenset({max(mine)})
+    events: list[tuple[str, str]] = []
+    server = SupervisedServer(
+        "fault",
+        lambda port: [sys.executable, "-m", "pipeline.servers.fault", "--port", str(port)],
+        log_path=tmp_path / "fault.log",
+        log=lambda level, message: events.append((level, message)),
+        startup_timeout_s=60,
+        cpus=cores,
+    )
+    try:
+        with server:
+            tree = [psutil.Process(server._proc.pid), *psutil.Process(server._proc.pid).children(recursive=True)]
+            assert len(tree) >= 2 and all(set(p.cpu_affinity()) == cores for p in tree)  # the tether and the server
+            assert os.sched_getaffinity(0) == mine - cores
+            assert all(os.sched_getaffinity(t.native_id) == mine - cores for t in threading.enumerate() if t.native_id)
+        assert os.sched_getaffinity(0) == mine  # given back when it stops
+    finally:
+        os.sched_setaffinity(0, mine)
+    assert any("eagleops keeps to cores" in message for _, message in events)
+    outside = SupervisedServer("fault", lambda port: ["true"], log_path=tmp_path / "x.log", cpus=frozenset({100000}))
+    with pytest.raises(ConfigError, match=r"\[serve\] cpus: cores 100000 are not among this process's cores"):
+        outside.start()
 
 
 def test_a_server_that_cannot_start_fails_with_its_last_words(tmp_path):

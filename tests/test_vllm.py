@@ -4,7 +4,9 @@ by eagleops. Needs $EAGLEOPS_VLLM_PYTHON (the python of a venv with vLLM; `.ci/r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -78,10 +80,19 @@ def test_one_run_file_serves_the_target_for_generate(whole_run):
 
 
 def test_generate_token_totals_equal_vllm_counters(whole_run, tmp_path):
+    """Also vLLM on a core of its own ([serve] cpus) and eagleops on the others, where there are two."""
+    import psutil
+
     config, _ = whole_run
     shutil.copytree(config.output_dir.parent / "data", tmp_path / "data")
+    mine = frozenset(os.sched_getaffinity(0))
     launch = launch_for(config)
+    if len(mine) >= 2:
+        launch = dataclasses.replace(launch, cpus=frozenset({max(mine)}))
     with vllm_server(launch, log_path=tmp_path / "vllm.log", log=lambda level, message: None, startup_timeout_s=600) as server:
+        tether = psutil.Process(server._proc.pid)
+        tree = [tether, *tether.children(recursive=True)]
+        assert len(tree) >= 3 and all(set(p.cpu_affinity()) <= (launch.cpus or mine) for p in tree)  # tether, API, engine core...
         endpoint = {"base_url": f"{server.base_url}/v1", "model": launch.served_name}
         plain = _config(tmp_path, config.target.model, serve=None, endpoints=[endpoint], stages=["generate"])
         before = read_metrics(server.base_url)
@@ -91,6 +102,7 @@ def test_generate_token_totals_equal_vllm_counters(whole_run, tmp_path):
     ours = sum(r["completion_tokens"] for ds in ("B1", "B2") for r in read_jsonl(tmp_path / "out" / ds / "data.jsonl"))
     theirs = after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0.0)
     assert ours == theirs > 0
+    assert os.sched_getaffinity(0) == mine  # eagleops has its cores back
 
 
 def test_served_acceptance_equals_the_offline_eval(whole_run):

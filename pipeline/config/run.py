@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..placement import is_cpu_list
 from .fields import FORMATS, BenchmarkConfig, FieldsConfig
 from .request_fields import REQUEST_FIELDS
 from .schema import Check, Table, at_least, finite_at_least, matches, one_of, parse_table, setting, within
@@ -242,6 +243,8 @@ class ServeConfig:
     max_model_len: int = setting(0, "context length (0: the model's)", check=at_least(0))
     extra_args: tuple[str, ...] = setting((), "more `vllm` arguments, as given")
     env: dict[str, Any] = setting({}, "environment for the server (e.g. `VLLM_CPU_KVCACHE_SPACE`)")
+    cpus: str = setting("", "cores the server runs on (`1-3,6`, as `taskset -c` reads them); eagleops keeps to the others meanwhile",
+                        check=Check(is_cpu_list, "must list cores like 1-3,6, each range lowest first"))  # fmt: skip
     for_generate: bool = setting(True, "serve the target as an endpoint of the generate stage")
     startup_timeout_s: float = setting(900.0, "how long it may take to load", check=Check(lambda v: v > 0, "must be positive"))
     max_restarts: int = setting(3, "restarts after a crash, with backoff, before the stage fails", check=at_least(0))

@@ -37,6 +37,7 @@ class SglangLaunch:
     env: dict[str, str] = field(default_factory=dict)
     draft: Path | None = None  # an EAGLE-3 drafter export; None serves the target alone
     draft_tokens: int = 4
+    cpus: frozenset[int] = frozenset()  # the cores it runs on; empty: eagleops' own
 
     def argv(self, port: int) -> list[str]:
         argv = [self.python, "-m", "sglang.launch_server", "--model-path", str(self.model), "--host", LOOPBACK, "--port", str(port)]

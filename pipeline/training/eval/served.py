@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
+from pipeline.placement import parse_cpu_list
 from pipeline.servers.sglang import SglangLaunch, generate_ids, sglang_python
 from pipeline.servers.supervisor import SupervisedServer
 from pipeline.servers.vllm import complete_ids, launch_for, read_metrics, vllm_server
@@ -95,10 +96,11 @@ def _sglang_decode(config: RunConfig, ctx: StageContext, work: list[Work], draft
         env={key: str(value) for key, value in serve.env.items()},
         draft=draft,
         draft_tokens=config.eval.draft_tokens,
+        cpus=parse_cpu_list(serve.cpus),
     )
     name = "sglang-eval-speculative" if draft else "sglang-eval-plain"
     server = SupervisedServer(name, launch.argv, log_path=config.output_dir / "servers" / f"{name}.log", log=ctx.log,
-                              env=launch.env, startup_timeout_s=serve.startup_timeout_s, max_restarts=0)  # fmt: skip
+                              env=launch.env, startup_timeout_s=serve.startup_timeout_s, max_restarts=0, cpus=launch.cpus)  # fmt: skip
     totals = {"generated": 0.0, "verify_steps": 0.0}
     with serving(server, ctx):
 
