@@ -30,17 +30,22 @@ def _alive(url: str) -> bool:
         return False
 
 
-def test_a_killed_server_is_restarted_and_stopped_for_good(tmp_path):
-    events: list[tuple[str, str]] = []
-    server = SupervisedServer(
+def _fault_server(tmp_path: Path, events: list[tuple[str, str]] | None = None, **options) -> SupervisedServer:
+    """Our fault server, supervised; its log lines into ``events`` when given."""
+    log = (lambda level, message: events.append((level, message))) if events is not None else (lambda level, message: None)
+    return SupervisedServer(
         "fault",
         lambda port: [sys.executable, "-m", "pipeline.servers.fault", "--port", str(port)],
         log_path=tmp_path / "fault.log",
-        log=lambda level, message: events.append((level, message)),
-        backoff_s=0.1,
-        max_restarts=2,
+        log=log,
         startup_timeout_s=60,
+        **options,
     )
+
+
+def test_a_killed_server_is_restarted_and_stopped_for_good(tmp_path):
+    events: list[tuple[str, str]] = []
+    server = _fault_server(tmp_path, events, backoff_s=0.1, max_restarts=2)
     with server:
         first = server._proc.pid
         os.killpg(first, signal.SIGKILL)  # as the OOM killer would
@@ -64,14 +69,7 @@ def test_a_server_on_its_own_cores_and_eagleops_on_the_rest(tmp_path):
     mine = frozenset(os.sched_getaffinity(0))
     cores = frozenset({max(mine)})
     events: list[tuple[str, str]] = []
-    server = SupervisedServer(
-        "fault",
-        lambda port: [sys.executable, "-m", "pipeline.servers.fault", "--port", str(port)],
-        log_path=tmp_path / "fault.log",
-        log=lambda level, message: events.append((level, message)),
-        startup_timeout_s=60,
-        cpus=cores,
-    )
+    server = _fault_server(tmp_path, events, cpus=cores)
     try:
         with server:
             tree = [psutil.Process(server._proc.pid), *psutil.Process(server._proc.pid).children(recursive=True)]
@@ -122,14 +120,7 @@ async def test_generate_fails_cleanly_when_its_served_target_does_not_start(tmp_
 
 def test_a_server_that_dies_for_good_is_reported_once(tmp_path):
     failures: list[str] = []
-    server = SupervisedServer(
-        "fault",
-        lambda port: [sys.executable, "-m", "pipeline.servers.fault", "--port", str(port)],
-        log_path=tmp_path / "fault.log",
-        startup_timeout_s=60,
-        max_restarts=0,
-        on_failed=failures.append,
-    )
+    server = _fault_server(tmp_path, max_restarts=0, on_failed=failures.append)
     with server:
         os.killpg(server._proc.pid, signal.SIGKILL)
         for _ in range(400):
