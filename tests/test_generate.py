@@ -99,7 +99,7 @@ async def test_retries_faults_and_records_permanent_failures(tmp_path, fault_ser
     assert set(failed) == {"forever", "badreq", "line:9"}
     assert "HTTP 503" in failed["forever"]["reason"] and failed["forever"]["attempts"] == 4
     assert "HTTP 400" in failed["badreq"]["reason"] and failed["badreq"]["attempts"] == 1
-    assert failed["line:9"]["reason"] == f"{source}:9: <json>: invalid JSON (Expecting property name enclosed in double quotes)"
+    assert failed["line:9"]["reason"] == f"{source}:9: <json>: invalid JSON: Expecting property name enclosed in double quotes (column 2)"
     assert any(f"{source}:9:" in m for m in logs)
     assert summary.datasets[0].failures == 2 and summary.datasets[0].bad_lines == 1
 

@@ -208,3 +208,27 @@ def test_a_dataset_not_generated_yet_has_a_line_saying_so(tmp_path, zoo_files):
     report = inspect_run(load_run(run))
     text = render_text(report)
     assert "N  not generated (no data.jsonl)" in text and "warning: prepare: " in text and report.ok
+
+
+def test_a_sample_whose_prompt_fills_max_length_is_left_out_and_said_so(tmp_path, zoo_model):
+    """Records from before generate checked lengths (or from another tool): prepare leaves out
+    a sample that trains nothing and logs how many and why; inspect counts them and its sample
+    header says "left out", not "trained"."""
+    from pipeline.training.context import StageContext
+    from pipeline.training.prepare.stage import prepare
+
+    long_question = "Tell me about " + "the sea and the sky " * 60
+    records = [_record(i, "keep") for i in range(3)] + [_record(9, "keep", question=long_question)]
+    run = _run_file(tmp_path, zoo_model("qwen3-8b"), {"K": records}, max_length=160)
+    report = inspect_run(load_run(run), samples_per_dataset=4)
+    (ds,) = report.datasets
+    assert ds.left_out == {"prompt_fills_max_length": 1}
+    text = render_text(report)
+    assert "left out: whose prompt fills max_length (160)" in text
+    assert "left out 1" in text and "  left out 1: whose prompt fills max_length (160)" in text
+    config = load_run(run)
+    config = type(config)(**{**config.__dict__, "prepare": type(config.prepare)(**{**config.prepare.__dict__, "eval_fraction": 0.0})})
+    ctx = StageContext("prepare")
+    index = prepare(config, ctx)
+    assert index.samples == 3 and index.dropped == {"prompt_fills_max_length": 1}
+    assert any("left out 1 samples that train nothing: 1 whose prompt fills max_length (160)" in text for _, text in ctx.logs)

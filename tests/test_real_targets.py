@@ -301,26 +301,33 @@ def test_speculative_decoding_stops_on_any_of_the_replys_stop_ids():
     """gpt-oss and Llama-3.1 list several eos ids: the reply ends at the first of any of them."""
     import torch
 
-    from pipeline.training.eval.offline import speculative_generate
+    from pipeline.training.eval.decoding import speculative_generate
 
     script = [5, 6, 9, 7, 8]  # the target's greedy continuation; 9 is one of several stop ids
 
-    class Target(torch.nn.Module):
-        def forward(self, input_ids, output_hidden_states, use_cache):
-            n = input_ids.shape[1]
-            logits = torch.zeros(1, n, 16)
-            for i in range(n):
-                logits[0, i, script[min(max(i - 1, 0), len(script) - 1)]] = 1.0
-            hidden = torch.zeros(1, n, 4)
-            return type("Out", (), {"logits": logits, "hidden_states": [hidden] * 4})()
+    class Target:  # CachedTarget's interface: after the prompt, the script one token a position
+        length = 0
 
-    class Drafter:
-        def propose(self, aux, tokens, k):
+        def reset(self):
+            self.length = 0
+
+        def feed(self, ids):
+            start, self.length = self.length, self.length + len(ids)
+            greedy = [script[min(max(p - 1, 0), len(script) - 1)] for p in range(start, self.length)]
+            return torch.zeros(1, len(ids), 12), greedy
+
+        def crop(self, length):
+            self.length = min(self.length, length)
+
+    class Session:
+        def extend(self, aux, next_tokens):
+            pass
+
+        def propose(self, k):
             return [0] * k
 
-    generated, _ = speculative_generate(
-        Target(), Drafter(), [1, 2], aux_layers=(0, 1, 2), k=2, max_new_tokens=8, stops={3, 9}, device="cpu"
-    )
+    drafter = type("Drafter", (), {"session": lambda self: Session()})()
+    generated, _ = speculative_generate(Target(), drafter, [1, 2], k=2, max_new_tokens=8, stops={3, 9})
     assert generated == [5, 6]
 
 

@@ -289,3 +289,45 @@ def test_what_a_review_found_in_the_readers(tmp_path):
     made = item.messages[1]["tool_calls"]
     assert made[0] == {"id": "call_1_0", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     assert [item.messages[2]["tool_call_id"], item.messages[3]["tool_call_id"]] == ["call_1_0", "call_1_1"]
+
+
+def test_an_empty_user_turn_does_not_refuse_the_row(tmp_path):
+    """Published chats (ShareGPT among them) hold empty turns, mid-way or at the end: `last`
+    regenerates the reply to the last user turn with words, `all` drops only the trailing empty
+    turn; a row is refused only when no user turn has words."""
+    from pipeline.config import field_map
+    from pipeline.sources import RowError, read_row
+
+    fields = field_map("sharegpt", None, "id")
+    turns = [
+        {"from": "human", "value": "first"},
+        {"from": "gpt", "value": "one"},
+        {"from": "human", "value": ""},
+        {"from": "gpt", "value": "two"},
+        {"from": "human", "value": "third"},
+        {"from": "gpt", "value": "three"},
+        {"from": "human", "value": "  "},
+    ]
+    last = read_row({"id": "x", "conversations": turns}, fields, "last")
+    assert [m["content"] for m in last.messages] == ["first", "one", "", "two", "third"]
+    every = read_row({"id": "x", "conversations": turns}, fields, "all")
+    assert [m["content"] for m in every.messages] == ["first", "one", "", "two", "third", "three"]
+    with pytest.raises(RowError, match="every user turn is empty"):
+        read_row({"id": "y", "conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "a"}]}, fields, "last")
+
+
+def test_a_json_array_cut_off_mid_item_names_the_byte_where_it_breaks(tmp_path):
+    """ShareGPT V3 as published ends mid-item: the rows before are read, the broken one names
+    Python's own message and where in the file it is (not a message cut short)."""
+    rows = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(3)]
+    text = json.dumps(rows)
+    cut = text[: text.rindex('{"id": "2"') + 25]
+    path = tmp_path / "cut.json"
+    path.write_text(cut)
+    items = list(SourceReader(path))
+    assert [i.prompt_id for i in items if isinstance(i, Prompt)] == ["0", "1"]
+    (bad,) = [i for i in items if isinstance(i, BadLine)]
+    start = cut.rindex('"conversation')
+    assert bad.message.endswith(
+        f"invalid JSON: Unterminated string starting at (byte {start:,} of the file); the rest of the file is not read"
+    )

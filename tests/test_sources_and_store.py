@@ -38,7 +38,7 @@ def test_reads_every_format_and_names_bad_lines(tmp_path):
     assert prompts[1].prompt_id == prompt_id_for(prompts[1].messages)
     assert prompts[2].messages == ({"role": "user", "content": "just this"},)
     assert [b.message for b in bad] == [
-        f"{path}:4: <json>: invalid JSON (Expecting property name enclosed in double quotes)",
+        f"{path}:4: <json>: invalid JSON: Expecting property name enclosed in double quotes (column 2)",
         f"{path}:5: messages[0].content: missing or not a string (the turn has: role)",
         f"{path}:7: conversations[0].from: unknown role 'robot' (map it in [datasets.fields] roles)",
     ]

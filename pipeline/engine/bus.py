@@ -7,7 +7,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from pipeline.protocol.events import Event, LogEvent, StageMetrics
+from pipeline.protocol.events import Event, LogEvent, StageMetrics, StageProgress
 
 __all__ = ["EventBus", "Subscription"]
 
@@ -21,6 +21,9 @@ class EventBus:
         self.subscribers: set[Subscription] = set()
         self.log_tail: list[LogEvent] = []
         self.metrics_tail: deque[StageMetrics] = deque(maxlen=METRICS_TAIL)
+        # each stage's last progress: an attaching console shows steps, bar and ETA at once, not
+        # at the next step (minutes apart when a step is slow)
+        self.progress_latest: dict[str, StageProgress] = {}
 
     def subscribe(self) -> Subscription:
         sub = Subscription(self)
@@ -34,6 +37,8 @@ class EventBus:
             self.log_tail = (self.log_tail + [event])[-LOG_TAIL:]
         elif isinstance(event, StageMetrics):
             self.metrics_tail.append(event)
+        elif isinstance(event, StageProgress):
+            self.progress_latest[event.stage] = event
         for sub in list(self.subscribers):
             sub.put(event)
 

@@ -19,8 +19,9 @@ from pipeline.config import ALL_STAGES, RunConfig
 from pipeline.engine.bus import EventBus, Subscription
 from pipeline.engine.compute import ComputeStages
 from pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, telemetry_loop
-from pipeline.errors import RunError
+from pipeline.errors import EagleOpsError, RunError
 from pipeline.files import try_lock
+from pipeline.generate.fit import PromptFit
 from pipeline.generate.stage import GenerateStage
 from pipeline.generate.store import StoreError
 from pipeline.protocol.control import ControlError, ControlServer, socket_path_for
@@ -142,6 +143,7 @@ class Engine:
         events += [runner.progress() for runner in self.generate.runners.values()]
         events += self.endpoint_stats()
         events += self.latest_telemetry.values()
+        events += self.bus.progress_latest.values()
         events += self.bus.metrics_tail  # train's loss and accuracy so far: an attached console plots them all
         events += self.bus.log_tail[-SNAPSHOT_LOG_LINES:]
         return events
@@ -204,6 +206,8 @@ class Engine:
         from pipeline.training.modeling.thinking_switch import with_target_thinking_switch
 
         self.config = self.generate.config = await asyncio.to_thread(with_target_thinking_switch, self.config)
+        if self.config.target is not None:  # nothing is paid for that prepare would not train
+            self.generate.shared.fit = await asyncio.to_thread(self._prompt_fit)
         try:
             await self.generate.open()
         except StoreError as exc:
@@ -211,6 +215,17 @@ class Engine:
         except OSError as exc:
             where = exc.filename or self.config.output_dir
             raise EngineError(f"{where}: cannot open the output ({exc.strerror or exc})") from None
+
+    def _prompt_fit(self) -> PromptFit | None:
+        from pipeline.training.prepare.fit import prompt_counter
+
+        config = self.config
+        try:
+            count = prompt_counter(config)
+        except EagleOpsError as exc:
+            self.log("warning", f"prompt lengths are not checked before sending: {exc}")
+            return None
+        return PromptFit(count, config.prepare.max_length, config.sampling.min_reply_tokens, config.sampling.max_tokens)
 
     def _set_run_state(self, phase: RunPhase, exit_code: int | None = None) -> None:
         ended = time.time() if phase == RunPhase.FINISHED else None

@@ -15,8 +15,12 @@ from typing import TextIO
 from pipeline.config import RunConfig
 from pipeline.engine import Engine, RunSummary
 from pipeline.engine.engine import EXIT_FAILED, EXIT_KILLED, EXIT_OK, EXIT_SHORTFALL
-from pipeline.protocol.events import DatasetProgress, DatasetState, StageProgress
+from pipeline.protocol.events import DatasetProgress, DatasetState, StageMetrics, StageProgress
 from pipeline.protocol.report import STATUS_WIDTH, format_event, json_line, status_line, totals_line
+
+# stages whose measurements are a curve worth a line each (train's loss, extract's cache); the
+# others log their result in a line of their own
+CURVES = ("train", "extract")
 
 __all__ = ["EXIT_FAILED", "EXIT_KILLED", "EXIT_OK", "EXIT_SHORTFALL", "exit_code", "install_kill_signals", "run_headless"]
 
@@ -97,6 +101,8 @@ async def _print_loop(engine: Engine, out: TextIO, as_json: bool, every_s: float
                 last_stage_print = time.monotonic()
                 out.write(f"{format_event(event)}\n")
                 out.flush()
+        elif isinstance(event, StageMetrics) and event.stage not in CURVES:
+            continue  # the stage's own log line says it once (--json has every figure)
         elif (text := format_event(event)) is not None and event.kind != "endpoint":
             out.write(_wrapped(text) + "\n")
             out.flush()

@@ -151,13 +151,18 @@ class ChatClient:
         self.on_retry: Callable[[str, str, float], None] | None = None  # (endpoint, reason, delay), for the log
 
     def _body(
-        self, endpoint: EndpointState, messages: tuple[dict[str, Any], ...], thinking: str, tools: tuple[dict[str, Any], ...] | None = None
+        self,
+        endpoint: EndpointState,
+        messages: tuple[dict[str, Any], ...],
+        thinking: str,
+        tools: tuple[dict[str, Any], ...] | None = None,
+        max_tokens: int | None = None,
     ) -> bytes:
         ep = endpoint.config
         body = {
             "model": ep.model,
             "messages": list(messages),
-            "max_tokens": self.sampling.max_tokens,
+            "max_tokens": max_tokens or self.sampling.max_tokens,
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
             "stream": False,
@@ -184,8 +189,14 @@ class ChatClient:
         return delay
 
     async def complete(
-        self, messages: tuple[dict[str, Any], ...], *, thinking: str = "keep", tools: tuple[dict[str, Any], ...] | None = None
+        self,
+        messages: tuple[dict[str, Any], ...],
+        *,
+        thinking: str = "keep",
+        tools: tuple[dict[str, Any], ...] | None = None,
+        max_tokens: int | None = None,
     ) -> Completion:
+        """The target's reply; ``max_tokens``: this request's ceiling, if lower than the run's."""
         started = time.monotonic()
         attempt = 0
         previous: EndpointState | None = None
@@ -194,7 +205,7 @@ class ChatClient:
             endpoint = await self.pool.acquire(avoid=previous)
             sent_at = self.pool.clock()
             try:
-                reply = await self._attempt(endpoint, messages, thinking, tools)
+                reply = await self._attempt(endpoint, messages, thinking, tools, max_tokens)
                 self.pool.succeeded(endpoint)
                 break
             except _Retryable as exc:
@@ -256,7 +267,12 @@ class ChatClient:
         return None
 
     async def _attempt(
-        self, endpoint: EndpointState, messages: tuple[dict[str, Any], ...], thinking: str, tools: tuple[dict[str, Any], ...] | None = None
+        self,
+        endpoint: EndpointState,
+        messages: tuple[dict[str, Any], ...],
+        thinking: str,
+        tools: tuple[dict[str, Any], ...] | None,
+        max_tokens: int | None,
     ) -> Reply:
         headers = {"Content-Type": "application/json"}
         if endpoint.key:
@@ -265,7 +281,7 @@ class ChatClient:
         response = None
         try:
             response = await self.session.post(
-                endpoint.url, data=self._body(endpoint, messages, thinking, tools), headers=headers, timeout=self._timeout
+                endpoint.url, data=self._body(endpoint, messages, thinking, tools, max_tokens), headers=headers, timeout=self._timeout
             )
             limit = _ERROR_BODY_READ if response.status != 200 else self.max_reply_bytes
             raw = await _read_capped(response, limit, truncate=response.status != 200)

@@ -9,14 +9,17 @@ is reached, a conversation asks for no further turn: its record ends at the last
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.config import DatasetConfig
 from pipeline.generate.client import ChatClient, Completion
-from pipeline.sources import reply_points
+from pipeline.generate.fit import Fitted, PromptFit, Skipped, TooLong
+from pipeline.sources import Prompt, reply_points
 
-__all__ = ["assistant_turn", "regenerate_all"]
+__all__ = ["assistant_turn", "regenerate", "regenerate_all", "regenerate_last"]
 
 
 def assistant_turn(completion: Completion) -> dict[str, Any]:
@@ -46,6 +49,39 @@ def _combined(completions: list[Completion]) -> Completion:
     )
 
 
+async def regenerate(
+    client: ChatClient,
+    prompt: Prompt,
+    dataset: DatasetConfig,
+    thinking: str,
+    fit: PromptFit | None,
+    *,
+    may_go_on: Callable[[], bool],
+    on_reply: Callable[[Completion], None],
+) -> tuple[list[dict[str, Any]], Completion, list[int], int]:
+    """The dataset's regeneration of one row: (conversation, accounting, the target's replies,
+    earliest messages left out to fit)."""
+    if dataset.regenerate == "all":
+        found = await regenerate_all(client, prompt.messages, thinking, may_go_on=may_go_on, on_reply=on_reply, tools=prompt.tools, fit=fit)
+        return (*found, 0)
+    return await regenerate_last(client, prompt, thinking, fit, shorten=dataset.long_prompts == "drop-oldest")
+
+
+async def regenerate_last(
+    client: ChatClient, prompt: Prompt, thinking: str, fit: PromptFit | None, *, shorten: bool
+) -> tuple[list[dict[str, Any]], Completion, list[int], int]:
+    """(the conversation with the target's reply, its accounting, the index of that reply, the
+    earliest messages left out to fit). Raises ``Skipped`` for a prompt too long to train."""
+    messages, max_tokens, dropped = prompt.messages, None, 0
+    if fit is not None:
+        fitted = await asyncio.to_thread(fit.fit, messages, prompt.tools, thinking, shorten=shorten)
+        if isinstance(fitted, TooLong):
+            raise Skipped(fitted.reason)
+        messages, max_tokens, dropped = fitted.messages, fitted.max_tokens, fitted.dropped
+    completion = await client.complete(messages, thinking=thinking, tools=prompt.tools, max_tokens=max_tokens)
+    return [*messages, assistant_turn(completion)], completion, [len(messages)], dropped
+
+
 async def regenerate_all(
     client: ChatClient,
     turns: tuple[dict[str, Any], ...],
@@ -54,10 +90,13 @@ async def regenerate_all(
     may_go_on: Callable[[], bool] = lambda: True,
     on_reply: Callable[[Completion], None] = lambda completion: None,
     tools: tuple[dict[str, Any], ...] | None = None,
+    fit: PromptFit | None = None,
 ) -> tuple[list[dict[str, Any]], Completion, list[int]]:
     """(the conversation with the target's replies, their combined accounting, the indices of the
     replies the target wrote: the ones to train on). ``may_go_on`` is asked before every reply
-    but the first; ``on_reply`` hears of each reply as it comes."""
+    but the first; ``on_reply`` hears of each reply as it comes. With ``fit``, a reply whose
+    prompt leaves too little room ends the conversation before it is asked for (``Skipped``
+    when that is the first)."""
     points = set(reply_points(turns))
     sent: list[dict[str, Any]] = []  # what the server sees: role and content, as any server takes
     kept: list[dict[str, Any]] = []  # what the record keeps: the thinking too
@@ -69,10 +108,14 @@ async def regenerate_all(
         sent.append(turn)
         kept.append(turn)
         if i in points:
-            if completions and not may_go_on():
+            fitted = await asyncio.to_thread(fit.fit, tuple(sent), tools, thinking, shorten=False) if fit is not None else None
+            if isinstance(fitted, TooLong) and not completions:
+                raise Skipped(fitted.reason)
+            if completions and (isinstance(fitted, TooLong) or not may_go_on()):
                 del kept[written[-1] + 1 :]  # the record ends at the target's last reply
                 break
-            completion = await client.complete(tuple(sent), thinking=thinking, tools=tools)
+            max_tokens = fitted.max_tokens if isinstance(fitted, Fitted) else None
+            completion = await client.complete(tuple(sent), thinking=thinking, tools=tools, max_tokens=max_tokens)
             on_reply(completion)
             completions.append(completion)
             sent.append(

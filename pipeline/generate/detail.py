@@ -38,6 +38,8 @@ def failure_reasons(path: Path) -> tuple[dict[str, int], bool]:
                     continue
                 if record.get("kind") == "bad_line":
                     kinds[f"bad line: {record.get('field', '?')}"] += 1
+                elif record.get("kind") == "skipped":  # not a failure: counted apart (``skipped``)
+                    continue
                 else:
                     kinds[reason_kind(str(record.get("reason", "")))] += 1
     except FileNotFoundError:
@@ -68,6 +70,7 @@ def dataset_detail(runner: DatasetRunner) -> dict[str, Any]:
         "budget": runner.budget,
         "samples": totals.samples,
         "truncated": totals.truncated,
+        "skipped": totals.skipped,
         "reasoning_tokens": totals.reasoning_tokens,
         "prompt_tokens": totals.prompt_tokens,
         "cost": round(totals.cost, 6),

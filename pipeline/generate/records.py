@@ -10,7 +10,7 @@ from typing import Any
 from pipeline.generate.client import Completion
 from pipeline.sources import BadLine, Prompt
 
-__all__ = ["bad_line_record", "failed_request_record", "generated_record"]
+__all__ = ["bad_line_record", "failed_request_record", "generated_record", "skipped_record"]
 
 
 def generated_record(
@@ -22,8 +22,9 @@ def generated_record(
     *,
     model: str,
     thinking: str,
+    dropped: int = 0,
 ) -> dict[str, Any]:
-    record = {
+    record: dict[str, Any] = {
         "id": prompt.prompt_id,
         "conversations": conversation,
         "target_turns": written,  # the replies the target wrote: the only ones trained on
@@ -44,6 +45,8 @@ def generated_record(
         "reasoning_tokens": completion.reasoning_tokens,
         "finished_at": round(time.time(), 3),
     }
+    if dropped:
+        record["dropped_messages"] = dropped  # the row's earliest messages, left out so that the reply could be trained
     if prompt.tools:
         record["tools"] = list(prompt.tools)  # prepare renders them as the server did
     if prompt.shard:
@@ -67,6 +70,11 @@ def failed_request_record(prompt: Prompt, dataset: str, reason: str, attempts: i
         "reason": reason,
         "attempts": attempts,
     }
+
+
+def skipped_record(prompt: Prompt, dataset: str, reason: str) -> dict[str, Any]:
+    """A row not sent because its reply could not be trained (``fit``): nothing paid for it."""
+    return {**failed_request_record(prompt, dataset, reason, 0), "kind": "skipped"}
 
 
 def bad_line_record(item: BadLine, dataset: str) -> dict[str, Any]:

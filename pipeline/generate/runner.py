@@ -14,11 +14,12 @@ from typing import Any
 from pipeline.config import DatasetConfig, field_map, format_tokens
 from pipeline.errors import InputError
 from pipeline.generate.client import ChatClient, Completion, PermanentFailure, RateMeter
-from pipeline.generate.conversation import assistant_turn, regenerate_all
+from pipeline.generate.conversation import regenerate
 from pipeline.generate.digest import CURRENT_REQUEST, FailureDigest
+from pipeline.generate.fit import PromptFit, Skipped
 from pipeline.generate.limits import InFlight, Limits
-from pipeline.generate.records import bad_line_record, failed_request_record, generated_record
-from pipeline.generate.store import DatasetStore, StoreError, WriteFailed
+from pipeline.generate.records import bad_line_record, failed_request_record, generated_record, skipped_record
+from pipeline.generate.store import DatasetStore, SaveRetry, StoreError, WriteFailed
 from pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
 from pipeline.protocol.host import StageHost
 from pipeline.protocol.redact import Redactor
@@ -27,7 +28,6 @@ from pipeline.sources import BadLine, Prompt, SourceReader, reply_points
 __all__ = ["DatasetRunner", "RunnerShared"]
 
 FLUSH_RECORDS = 256  # buffered records that trigger a flush before the interval is up
-_STORAGE_RETRY_MAX_S = 15.0
 _READ_BATCH = 256
 
 
@@ -45,6 +45,7 @@ class RunnerShared:
     models: dict[str, str] = field(default_factory=dict)  # endpoint label -> model name
     client: ChatClient | None = None  # set when the stage runs
     failures: FailureDigest | None = None  # permanent failures past each dataset's first few; set when the stage runs
+    fit: PromptFit | None = None  # with [target]: what a prompt may take so that its reply is trained
 
     def chat(self) -> ChatClient:
         if self.client is None:
@@ -57,19 +58,15 @@ class DatasetRunner:
         self.shared, self.config, self.store = shared, config, store
         self.limits = Limits(store.budget, config.max_samples, max_tokens)
         self.thinking = thinking
-        self.state = DatasetState.QUEUED
-        self.reason = ""
+        self.state, self.reason = DatasetState.QUEUED, ""
         self.stopped_by: StopReason | None = None
-        self.paused = False
-        self.in_flight = 0
+        self.paused, self.in_flight = False, 0
         self.meter = RateMeter(clock=shared.clock)
         self.task: asyncio.Task | None = None
         self._requests: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
         self._exhausted = False
-        self.storage_error: str | None = None  # why the last save failed, until one succeeds
-        self._storage_failures = 0
-        self._storage_retry_at = 0.0
+        self.saving = SaveRetry()  # failed saves in a row, until one succeeds
         self._stopping = False  # killed: the final save stops waiting for a full disk
         self.source_meter = RateMeter(clock=shared.clock)  # source bytes finished per second
         self._source_size = 0
@@ -83,8 +80,7 @@ class DatasetRunner:
         return self.limits.budget.tokens
 
     def _room(self) -> bool:
-        done = self.store.accepted
-        flight = self.flight
+        done, flight = self.store.accepted, self.flight
         if self.config.regenerate == "all":  # a record's mean is a conversation's: estimate per reply
             reserved = flight.replies_left * self.limits.expected_reply(flight.reply_tokens, flight.replies)
         else:
@@ -210,15 +206,15 @@ class DatasetRunner:
         client = self.shared.chat()
         mine = self.flight.begin(len(reply_points(prompt.messages)) if self.config.regenerate == "all" else 1)
         try:
-            if self.config.regenerate == "all":
-                on_reply = lambda reply: self.flight.replied(mine, reply.completion_tokens)  # noqa: E731
-                conversation, completion, written = await regenerate_all(
-                    client, prompt.messages, self.thinking, may_go_on=self._may_go_on, on_reply=on_reply, tools=prompt.tools
-                )
-            else:
-                completion = await client.complete(prompt.messages, thinking=self.thinking, tools=prompt.tools)
-                conversation, written = [*prompt.messages, assistant_turn(completion)], [len(prompt.messages)]
-            self.store.add_record(prompt, self.shared.redact_data.scrub(self._record(prompt, conversation, completion, written)))
+            conversation, completion, written, dropped = await regenerate(
+                client, prompt, self.config, self.thinking, self.shared.fit,
+                may_go_on=self._may_go_on, on_reply=lambda reply: self.flight.replied(mine, reply.completion_tokens),
+            )  # fmt: skip
+            self.store.add_record(prompt, self.shared.redact_data.scrub(self._record(prompt, conversation, completion, written, dropped)))
+        except Skipped as exc:  # the first says so in the log; the count is in the progress and the detail
+            self.store.add_failure(prompt, skipped_record(prompt, self.config.name, exc.reason))
+            if self.store.accepted.skipped == 1:
+                self._log("warning", f"{self.config.name}: skipped {prompt.prompt_id} unsent, and will skip any like it: {exc.reason}")
         except PermanentFailure as exc:
             self._request_failed(prompt, exc.reason, exc.attempts)
         except Exception as exc:  # whatever it is, it is this row's: recorded, and the dataset goes on
@@ -244,9 +240,13 @@ class DatasetRunner:
         where = f"{prompt.shard or self.config.path.name}:{prompt.line} ({prompt.prompt_id})"
         (self.shared.failures or FailureDigest(self.shared.host.log)).failed(self.config.name, where, reason)
 
-    def _record(self, prompt: Prompt, conversation: list[dict[str, Any]], completion: Completion, written: list[int]) -> dict[str, Any]:
+    def _record(
+        self, prompt: Prompt, conversation: list[dict[str, Any]], completion: Completion, written: list[int], dropped: int
+    ) -> dict[str, Any]:
         model = self.shared.models.get(completion.endpoint, "")
-        return generated_record(prompt, self.config.name, conversation, completion, written, model=model, thinking=self.thinking)
+        return generated_record(
+            prompt, self.config.name, conversation, completion, written, model=model, thinking=self.thinking, dropped=dropped
+        )
 
     def stop(self) -> None:
         """Kill this dataset: in-flight requests cancelled, finished work kept (resumable)."""
@@ -318,31 +318,30 @@ class DatasetRunner:
             self._storage_recovered()
         return True
 
+    @property
+    def storage_error(self) -> str | None:
+        """Why the last save failed, until one succeeds."""
+        return self.saving.error
+
     def _storage_failed(self, message: str) -> None:
         """A save failed: stop issuing (what is in flight finishes into memory) and retry later."""
-        self._storage_failures += 1
-        self._storage_retry_at = self.shared.clock() + min(
-            _STORAGE_RETRY_MAX_S, 0.25 * 2 ** min(self._storage_failures, 16)
-        )  # (a float of 2**1024 overflows)
-        if message != self.storage_error:
+        if self.saving.failed(message, self.shared.clock()):
             held = self.store.buffered()
             self._log("error", f"{self.config.name}: cannot save: {message}; paused with {held} finished records in memory, retrying")
-        self.storage_error = message
         if not self.state.terminal:
             self.reason = f"cannot save: {message}"
             self.state = DatasetState.PAUSED
             self.shared.host.publish(self.progress())
 
     def _storage_recovered(self) -> None:
-        self._log("info", f"{self.config.name}: saving again after {self._storage_failures} failed tries; resumed")
-        self.storage_error, self._storage_failures = None, 0
+        self._log("info", f"{self.config.name}: saving again after {self.saving.reset()} failed tries; resumed")
         if not self.state.terminal:
             self.reason = ""
             self._set(DatasetState.PAUSED if self.paused else DatasetState.RUNNING)
         self.wake()
 
     def storage_retry_due(self) -> bool:
-        return self.storage_error is None or self.shared.clock() >= self._storage_retry_at
+        return self.saving.due(self.shared.clock())
 
     async def _save_before_finishing(self) -> None:
         """Everything this dataset finished is saved before it ends, however long the disk
@@ -351,10 +350,10 @@ class DatasetRunner:
             if self._stopping:
                 if dropped := self.store.discard_unsaved():
                     self._log("error", f"{self.config.name}: {dropped} finished records not saved; a resume makes them again")
-                self.storage_error, self._storage_failures = None, 0  # nothing left to save: a restart tries the disk afresh
+                self.saving.reset()  # nothing left to save: a restart tries the disk afresh
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wait(), max(0.05, self._storage_retry_at - self.shared.clock()))
+                await asyncio.wait_for(self._wait(), max(0.05, self.saving.retry_at - self.shared.clock()))
 
     # ---- state --------------------------------------------------------------------------------
     def _set(self, state: DatasetState) -> None:
@@ -387,6 +386,7 @@ class DatasetRunner:
             samples=totals.samples,
             in_flight=self.in_flight,
             failures=totals.failures,
+            skipped=totals.skipped,
             bad_lines=totals.bad_lines,
             truncated=totals.truncated,
             max_samples=self.config.max_samples,

@@ -36,7 +36,7 @@ from pipeline.files import write_json_atomic
 from pipeline.generate.limits import Budget
 from pipeline.sources import BadLine, Prompt, Source
 
-__all__ = ["DatasetStore", "StoreError", "Totals", "WriteFailed"]
+__all__ = ["DatasetStore", "SaveRetry", "StoreError", "Totals", "WriteFailed"]
 
 MANIFEST_VERSION = 2  # 1 keyed done work by prompt id; it is read and upgraded
 
@@ -62,6 +62,7 @@ class Totals:
     failures: int = 0
     bad_lines: int = 0
     truncated: int = 0
+    skipped: int = 0  # rows not sent: too long to train a reply after
     cost: float = 0.0
     reasoning_tokens: int = 0  # of tokens: what the target spent thinking
 
@@ -76,11 +77,38 @@ class Totals:
     def add_failure(self, record: dict[str, Any]) -> None:
         if record.get("kind") == "bad_line":
             self.bad_lines += 1
+        elif record.get("kind") == "skipped":
+            self.skipped += 1
         else:
             self.failures += 1
 
     def copy(self) -> Totals:
         return Totals(**self.__dict__)
+
+
+@dataclass
+class SaveRetry:
+    """Saves that failed in a row: the last one's reason, and when to try again (backoff)."""
+
+    MAX_DELAY_S = 15.0
+    error: str | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+
+    def failed(self, message: str, now: float) -> bool:
+        """Counts a failure; True when its reason is new (worth a log line)."""
+        self.failures += 1
+        self.retry_at = now + min(self.MAX_DELAY_S, 0.25 * 2 ** min(self.failures, 16))  # (a float of 2**1024 overflows)
+        new, self.error = message != self.error, message
+        return new
+
+    def reset(self) -> int:
+        """A save succeeded (or nothing is left to save): the failures it ends."""
+        failures, self.error, self.failures = self.failures, None, 0
+        return failures
+
+    def due(self, now: float) -> bool:
+        return self.error is None or now >= self.retry_at
 
 
 @dataclass

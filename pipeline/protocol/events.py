@@ -108,6 +108,7 @@ class DatasetProgress(Event):
     failures: int = 0
     bad_lines: int = 0
     truncated: int = 0
+    skipped: int = 0  # rows not sent: their reply could not be trained (too long)
     max_samples: int | None = None
     req_per_s: float = 0.0
     tok_per_s: float = 0.0

@@ -48,8 +48,11 @@ def format_duration(seconds: float | None) -> str:
 
 
 def format_rate(value: float) -> str:
+    """Three figures at most; a slow rate keeps two significant ones (a 20 s step is 0.05/s, not 0.0)."""
     if value >= 1000:
         return format_tokens(value)
+    if 0 < value < 1:
+        return f"{value:.2g}"
     return f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
@@ -88,12 +91,13 @@ def _buckets(values: list[float], width: int) -> list[float]:
 
 
 def plot(values: list[float], width: int, height: int) -> list[str]:
-    """``values`` (bucketed to ``width`` columns) as a bar plot ``height`` rows high, eighth-block
+    """``values`` over the whole ``width`` (bucketed when there are more, each stretched over its
+    share of the columns when there are fewer) as a bar plot ``height`` rows high, eighth-block
     resolution, scaled between their minimum and maximum (a loss curve's shape, not its zero);
     the top row first."""
     if not values or width < 1 or height < 1:
         return []
-    values = _buckets(values, width)
+    values = _buckets(values, width) if len(values) > width else [values[c * len(values) // width] for c in range(width)]
     low, high = min(values), max(values)
     span = high - low
     levels = [height * 8 if span <= 0 else 1 + int((v - low) / span * (height * 8 - 1) + 0.5) for v in values]
@@ -205,6 +209,8 @@ def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
         extras.append(f"thinking {c['reasoning']}")
     if p.truncated:
         extras.append(f"cut {c['truncated']}")
+    if p.skipped:
+        extras.append(f"skipped {_count(p.skipped)} too long")
     for extra in extras:
         if len(line) + 2 + len(extra) <= width:
             line += "  " + extra
@@ -284,6 +290,8 @@ def detail_text(d: dict) -> str:
         f"{d['truncated']:,} cut at max_tokens, {format_tokens(d['reasoning_tokens'])} thinking",
         f"latency p50 {secs(d['latency_p50_s'])}  p95 {secs(d['latency_p95_s'])}  (last {d['latency_samples']:,} replies)",
     ]
+    if d.get("skipped"):
+        lines.append(f"skipped {d['skipped']:,} rows unsent: too long to train a reply after (failed.jsonl, kind skipped)")
     if d.get("cost"):
         lines.append(f"spend ${d['cost']:.2f}")
     if d.get("storage_error"):

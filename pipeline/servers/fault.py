@@ -29,7 +29,10 @@ Faults are asked for in the prompt text, so a test decides exactly what each rec
                          is counted in ``thinking_on_enable_thinking`` / ``_thinking``
 
 ``--fault-rate`` adds random transient faults (500, 429, reset, malformed) to any request.
-``GET /admin/stats`` reports requests, completions, disconnects and peak concurrency.
+A reply never has more tokens than the request's ``max_tokens`` (it is cut there, with
+``finish_reason`` "length", as every server cuts it).
+``GET /admin/stats`` reports requests, completions, disconnects, peak concurrency and the
+``max_tokens`` requests asked for.
 
     python -m pipeline.servers.fault --port 0 --port-file PORT
 """
@@ -62,7 +65,8 @@ class FaultServer:
         # which switch turned it off: templates read different ones (Qwen3 enable_thinking, Kimi thinking)
         self.stats.update({f"thinking_off_{switch}": 0 for switch in (*_TEMPLATE_SWITCHES, "reasoning_effort")})
         self.stats.update({f"thinking_on_{switch}": 0 for switch in _TEMPLATE_SWITCHES})
-        self._canned: dict[int, bytes] = {}
+        self._canned: dict[tuple[int, str], bytes] = {}
+        self.max_tokens_asked: dict[int, int] = {}  # max_tokens -> requests that asked for it
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -77,30 +81,31 @@ class FaultServer:
         return web.json_response({"object": "list", "data": [{"id": "fault-model", "object": "model", "max_model_len": 4096}]})
 
     async def admin_stats(self, request: web.Request) -> web.Response:
-        return web.json_response(self.stats)
+        return web.json_response({**self.stats, "max_tokens_asked": self.max_tokens_asked})
 
     async def admin_reset(self, request: web.Request) -> web.Response:
         self.attempts.clear()
+        self.max_tokens_asked.clear()
         for key in self.stats:
             self.stats[key] = 0
         return web.json_response({"ok": True})
 
-    def _answer(self, tokens: int, usage: bool, prompt_tokens: int) -> bytes:
-        if usage and tokens in self._canned:
-            return self._canned[tokens]
+    def _answer(self, tokens: int, usage: bool, prompt_tokens: int, finish: str = "stop") -> bytes:
+        if usage and (tokens, finish) in self._canned:
+            return self._canned[tokens, finish]
         text = " ".join(_WORDS[i % len(_WORDS)] for i in range(tokens))
         payload = {
             "id": "chatcmpl-canned",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": "fault-model",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
         }
         if usage:
             payload["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": tokens, "total_tokens": prompt_tokens + tokens}
         body = json.dumps(payload).encode()
         if usage:
-            self._canned[tokens] = body
+            self._canned[tokens, finish] = body
         return body
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -151,7 +156,13 @@ class FaultServer:
             return await self._fault(request, fault)
         self.stats["completed"] += 1
         prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
-        body = self._answer(tokens, usage, prompt_tokens)
+        asked = request_body.get("max_tokens")
+        finish = "stop"
+        if isinstance(asked, int):
+            self.max_tokens_asked[asked] = self.max_tokens_asked.get(asked, 0) + 1
+            if tokens > asked:
+                tokens, finish = asked, "length"
+        body = self._answer(tokens, usage, prompt_tokens, finish)
         if cost is not None:
             payload = json.loads(body)
             payload["usage"]["cost"] = cost

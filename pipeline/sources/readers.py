@@ -111,8 +111,10 @@ def _jsonl_rows(shard: Shard, within: int) -> Iterator[RawRow]:
                 continue  # blank lines carry nothing; the next row's end moves past them
             try:
                 yield RawRow(here, offset, number, json.loads(text))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                yield RawRow(here, offset, number, None, f"invalid JSON ({getattr(exc, 'msg', exc)})")
+            except json.JSONDecodeError as exc:  # Python's own message, with where: the line is the row's
+                yield RawRow(here, offset, number, None, f"invalid JSON: {exc.msg} (column {exc.colno})")
+            except UnicodeDecodeError as exc:
+                yield RawRow(here, offset, number, None, f"not UTF-8: {exc.reason} (byte {here + exc.start:,} of the file)")
 
 
 _SEPARATORS = re.compile(r"[\s,]*")
@@ -178,11 +180,13 @@ def _json_array_rows(shard: Shard, within: int) -> Iterator[RawRow]:
                     try:
                         value, end = decoder.raw_decode(window.text, window.cursor)
                     except json.JSONDecodeError as exc:
+                        at = window.offset + len(window.text[window.cursor : exc.pos].encode("utf-8"))  # before a fill moves the text
                         if len(window.text) - window.cursor < _ITEM_LIMIT and window.fill():
                             continue  # an item cut at the window's edge (or bad): read on, up to the limit
                         yield RawRow(
-                            window.offset, window.offset + 1, number, None, f"invalid JSON ({exc.msg}); the rest of the file is not read"
-                        )
+                            window.offset, window.offset + 1, number, None,
+                            f"invalid JSON: {exc.msg} (byte {at:,} of the file); the rest of the file is not read",
+                        )  # fmt: skip
                         return
                     if end == len(window.text) and window.fill():
                         continue  # a number or literal cut at the window's edge may go on

@@ -227,11 +227,15 @@ def read_row(row: Any, fields: FieldMap, regenerate: str = "last") -> RowConvers
     system_name, system = _first(row, fields.system)
     if isinstance(system, str) and system.strip() and not any(t["role"] == "system" for t in turns):
         turns.insert(0, {"role": "system", "content": _text(system, system_name)})
-    last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
-    if last_user is None:
+    if not any(t["role"] == "user" for t in turns):
         raise RowError(key, "no user turn")
-    if not turns[last_user]["content"].strip():
-        raise RowError(f"{key}[{last_user}].content", "empty user turn")
+    # the reply to the last user turn with words (published chats often end in an empty one,
+    # or hold one mid-way: neither refuses the row); under `all` only trailing empty ones go
+    last_user = max((i for i, t in enumerate(turns) if t["role"] == "user" and t["content"].strip()), default=None)
+    if last_user is None:
+        raise RowError(key, "every user turn is empty")
+    while regenerate == "all" and turns[-1]["role"] == "user" and not turns[-1]["content"].strip():
+        turns.pop()
     messages = tuple(turns if regenerate == "all" else turns[: last_user + 1])
     if regenerate == "all" and not reply_points(messages):
         raise RowError(key, "nothing for the target to write: no user or tool turn is answered in words or left unanswered at the end")

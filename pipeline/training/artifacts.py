@@ -74,6 +74,7 @@ class PreparedIndex:
     tokenizer: str
     shards: tuple[PreparedShard, ...]
     retokenized_mismatches: int = 0  # replies whose template render differs from the ids generated
+    dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # samples left out, by reason (``DROP_REASONS``)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -284,7 +285,8 @@ class EvalResult:
     draft_tokens: int
     acceptance_length: float
     acceptance_rate_per_position: list[float]
-    greedy_mismatches: int
+    greedy_mismatches: int  # outputs with the drafter that differ from plain greedy decoding's
+    outputs: int = 0  # outputs compared (each question's turns)
     backend: str = "hf"
     tok_per_s: float | None = None  # served: generated tokens per second with the drafter
     tok_per_s_without_drafter: float | None = None

@@ -103,7 +103,8 @@ class StageContext:
         working = now - first_at - (self._paused_s - paused_before)  # a pause is not slow work
         rate = (done - first_done) / working if working > 0 else 0.0
         eta = (total - done) / rate if rate > 0 and total > done else None
-        self._send(StageProgress(self.stage, done, total, unit, round(rate, 3), round(eta, 1) if eta is not None else None, dict(extra)))
+        rate = float(f"{rate:.4g}")  # significant figures: a 20 s step is 0.05 steps/s, not 0.0
+        self._send(StageProgress(self.stage, done, total, unit, rate, round(eta, 1) if eta is not None else None, dict(extra)))
 
     def metrics(self, **values: Any) -> None:
         self.metrics_log.append(values)

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config.fields import BENCHMARKS, field_map
-from pipeline.config.run import BenchmarkConfig
+from pipeline.config.fields import BENCHMARKS, BenchmarkConfig, field_map
 from pipeline.errors import InputError
 from pipeline.sources import BadLine, Prompt, Source, SourceReader
 from pipeline.training.artifacts import EvalResult
@@ -109,9 +108,8 @@ def _cell(value: float | None, digits: int = 2) -> str:
 
 def benchmark_table(results: Sequence[EvalResult]) -> str:
     """One row per benchmark: questions (``n``), verify steps, acceptance length, the acceptance
-    rate at each draft position, and where served, tokens/s with the drafter, without it, and
-    their ratio (columns an offline eval has no figures for are left out: with 4 draft tokens its
-    rows fit the console's log at 80 columns)."""
+    rate at each draft position, and where timed, tokens/s with the drafter, without it, and
+    their ratio (with 4 draft tokens its rows fit the console's log at 80 columns)."""
     positions = max((len(r.acceptance_rate_per_position) for r in results), default=0)
     served = any(r.tok_per_s for r in results)
     header = ["benchmark", "n", "steps", "accept", *[f"p{j + 1}" for j in range(positions)]]

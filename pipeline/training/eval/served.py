@@ -150,6 +150,7 @@ def _served_result(
         acceptance_length=acceptance.length,
         acceptance_rate_per_position=acceptance.rate_per_position,
         greedy_mismatches=sum(a != b for a, b in zip(speculative, plain)),
+        outputs=len(speculative),
         backend=backend,
         tok_per_s=round(rates[0], 2),
         tok_per_s_without_drafter=round(rates[1], 2),

@@ -42,11 +42,28 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @dataclass
 class DraftCache:
-    """Keys/values per TTT step: step 0 over all positions, later steps at the query positions."""
+    """Keys/values per TTT step: step 0 over all positions, later steps at the query positions.
+
+    Inference keeps step 0's keys from one draft to the next: with ``extending`` set, the next
+    keys added continue step 0's (the context grew by the tokens the target accepted) instead of
+    opening a step; ``drop_steps`` forgets a draft chain's own steps."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    extending: bool = False
 
     @classmethod
     def empty(cls) -> DraftCache:
         return cls([], [])
+
+    def add(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.extending and self.keys:
+            self.keys[0] = torch.cat((self.keys[0], key), dim=2)
+            self.values[0] = torch.cat((self.values[0], value), dim=2)
+        else:
+            self.keys.append(key)
+            self.values.append(value)
+        self.extending = False
+
+    def drop_steps(self) -> None:
+        del self.keys[1:], self.values[1:]

@@ -32,7 +32,7 @@ from pipeline.training.modeling.mla import MLAttention
 from pipeline.training.modeling.target import head_and_embeddings, head_rows, load_target_config, require_target
 from pipeline.training.modeling.ttt_attention import flex_available, ttt_attention
 
-__all__ = ["EXPORTED_PREFIXES", "DraftCache", "Eagle3Drafter", "build_drafter", "load_exported"]
+__all__ = ["EXPORTED_PREFIXES", "DraftCache", "DraftSession", "Eagle3Drafter", "build_drafter", "load_exported"]
 
 # what a server loads from an export: the target supplies the embeddings
 EXPORTED_PREFIXES = ("midlayer.", "fc.", "fc_norm.", "norm.", "lm_head.", "d2t", "t2d")
@@ -71,8 +71,7 @@ class Attention(nn.Module):
             rep = self.heads // self.kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        cache.keys.append(k)
-        cache.values.append(v)
+        cache.add(k, v)
         flex = self.fused and flex_available(x, len(cache.keys))
         out = ttt_attention(q, cache.keys, cache.values, query_positions, key_padding, flex=flex)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
@@ -169,27 +168,51 @@ class Eagle3Drafter(nn.Module):
         return (normed if self.norm_output else out), self.lm_head(normed)
 
     # ---- inference: chain drafting ----------------------------------------------------------
-    @torch.no_grad()
-    def propose(self, aux: torch.Tensor, tokens: torch.Tensor, k: int) -> list[int]:
-        """Draft k target-vocabulary tokens after a context.
+    def session(self) -> DraftSession:
+        """Drafting over one sequence, with a cache of the context's step-0 keys."""
+        return DraftSession(self)
 
-        ``aux`` [1, n+1, 3H]: the target's features at positions 0..n; ``tokens`` [1, n+1]: the
-        token after each position (the last one is the target's own next token).
-        """
-        positions = torch.arange(aux.shape[1], device=aux.device)
-        cache = DraftCache.empty()
-        hidden, logits = self.step(self.fuse(aux), tokens, positions, 0, cache)
-        hidden, logits = hidden[:, -1:], logits[:, -1:]
-        last = positions[-1:]
+
+class DraftSession:
+    """The drafter over one growing sequence: ``extend`` adds positions whose target features
+    and next tokens are known (once each: its step-0 keys are cached), ``propose`` drafts a chain
+    of k tokens after the last of them, which leaves the cache as it found it."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.drafter = drafter
+        self.cache = DraftCache.empty()
+        self.length = 0  # positions whose step-0 keys the cache holds
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (state, logits) at the last position
+
+    @torch.no_grad()
+    def extend(self, aux: torch.Tensor, next_tokens: list[int]) -> None:
+        """``aux`` [1, m, 3H]: the target's features at the next m positions; ``next_tokens``: the
+        token after each of them (the last: the target's own next token)."""
+        d = self.drafter
+        positions = torch.arange(self.length, self.length + aux.shape[1], device=aux.device)
+        tokens = torch.tensor([next_tokens], device=aux.device)
+        self.cache.extending = True
+        hidden, logits = d.step(d.fuse(aux.to(d.fc.weight.dtype)), tokens, positions, 0, self.cache)
+        self.length += aux.shape[1]
+        self.last = hidden[:, -1:], logits[:, -1:]
+
+    @torch.no_grad()
+    def propose(self, k: int) -> list[int]:
+        """k target-vocabulary tokens drafted after the last position, each from the one before."""
+        if self.last is None:
+            raise RuntimeError("propose before extend: the drafter has no context")
+        d = self.drafter
+        hidden, logits = self.last
+        last = torch.tensor([self.length - 1], device=hidden.device)
         drafts: list[int] = []
         for i in range(k):
             draft = int(logits[0, -1].argmax())
-            target_id = draft + int(self.d2t[draft])
+            target_id = draft + int(d.d2t[draft])
             drafts.append(target_id)
             if i + 1 == k:
                 break
-            token = torch.tensor([[target_id]], device=aux.device)
-            hidden, logits = self.step(hidden, token, last, i + 1, cache)
+            hidden, logits = d.step(hidden, torch.tensor([[target_id]], device=hidden.device), last, i + 1, self.cache)
+        self.cache.drop_steps()
         return drafts
 
 

@@ -10,6 +10,7 @@ is loaded: this is tokenization alone.
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from collections.abc import Collection
@@ -25,7 +26,7 @@ from pipeline.training.prepare.chat_template import PrepareError, load_chat_toke
 from pipeline.training.prepare.check import trained_problems
 from pipeline.training.prepare.inputs import read_conversations
 from pipeline.training.prepare.samples import Built
-from pipeline.training.prepare.stage import build_row, sample_builder
+from pipeline.training.prepare.stage import DROPPED_AS, build_row, drop_reason, sample_builder
 
 __all__ = ["DatasetReport", "FormatView", "InspectReport", "Reason", "SampleView", "Span", "inspect_run", "render_text"]
 
@@ -46,9 +47,10 @@ class SampleView:
     id: str
     thinking: str  # the record's thinking mode
     tokens: int
-    trained: int
+    trained: int  # ids with loss within max_length
     spans: list[Span]
     problems: list[str]
+    left_out: str = ""  # why prepare leaves it out (it trains nothing), in words
 
 
 @dataclass
@@ -81,7 +83,8 @@ class DatasetReport:
     trained: int = 0  # ids with loss
     thinking_trained: int = 0  # of those, thinking
     truncated: int = 0  # samples longer than max_length
-    empty: int = 0  # samples with nothing trained (prepare leaves them out)
+    left_out: dict[str, int] = field(default_factory=dict)  # samples prepare leaves out (nothing trained), by reason
+    skipped: int = 0  # rows generate did not send: too long to train a reply after
     exact: int = 0  # replies trained on the server's own ids
     modes: dict[str, int] = field(default_factory=dict)  # records per thinking mode
     refused: dict[str, Reason] = field(default_factory=dict)  # records prepare refuses, by reason
@@ -156,7 +159,7 @@ def _kinds(built: Built) -> list[str]:
     return kinds
 
 
-def _view(tokenizer: Any, built: Built, row: dict[str, Any], problems: list[str]) -> SampleView:
+def _view(tokenizer: Any, built: Built, row: dict[str, Any], problems: list[str], max_length: int) -> SampleView:
     kinds = _kinds(built)
     spans: list[Span] = []
     start = 0
@@ -164,7 +167,9 @@ def _view(tokenizer: Any, built: Built, row: dict[str, Any], problems: list[str]
         if i == len(kinds) or kinds[i] != kinds[start]:
             spans.append(Span(kinds[start], tokenizer.decode(built.ids[start:i])))
             start = i
-    return SampleView(row["dataset"], row["id"], row["thinking"], built.length, sum(built.mask), spans, problems)
+    reason = drop_reason(built, max_length)
+    left_out = f"{DROPPED_AS[reason]} ({max_length:,})" if reason else ""
+    return SampleView(row["dataset"], row["id"], row["thinking"], built.length, sum(built.mask[:max_length]), spans, problems, left_out)
 
 
 def _add_sample(
@@ -173,9 +178,9 @@ def _add_sample(
     ds.samples += 1
     ds.truncated += built.length > max_length
     ds.tokens += min(built.length, max_length)
-    trained = sum(built.mask[:max_length])
-    ds.trained += trained
-    ds.empty += not trained
+    ds.trained += sum(built.mask[:max_length])
+    if (reason := drop_reason(built, max_length)) is not None:
+        ds.left_out[reason] = ds.left_out.get(reason, 0) + 1
     for reply in built.replies:
         ds.replies += 1
         ds.exact += reply.exact
@@ -185,7 +190,7 @@ def _add_sample(
     for text in problems:
         _count(ds.problems, _problem(text), f"{row['dataset']}/{row['id']}", text)
     if len(ds.shown) < shown or (first_problem and not any(s.problems for s in ds.shown)):
-        ds.shown.append(_view(tokenizer, built, row, problems))
+        ds.shown.append(_view(tokenizer, built, row, problems, max_length))
 
 
 def _format_view(mode: str, fmt: ReplyFormat) -> FormatView:
@@ -205,6 +210,14 @@ def _tokenizer(config: RunConfig) -> Any:
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PrepareError(f"{target.tokenizer_path}: the target's tokenizer does not load: {first}") from None
+
+
+def _skipped(config: RunConfig, dataset: str) -> int:
+    """Rows generate skipped as too long to train (its manifest's count)."""
+    try:
+        return int(json.loads((config.output_dir / dataset / "manifest.json").read_text())["totals"].get("skipped", 0))
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def _template_error() -> type[Exception]:
@@ -229,7 +242,7 @@ def inspect_run(config: RunConfig, samples_per_dataset: int = 2, datasets: Colle
     ctx = StageContext("inspect")
     rows, duplicates = read_conversations(config, ctx)
     builder = sample_builder(config, tokenizer)
-    reports = {n: DatasetReport(n, generated=(config.output_dir / n / "data.jsonl").exists()) for n in wanted}
+    reports = {n: DatasetReport(n, generated=(config.output_dir / n / "data.jsonl").exists(), skipped=_skipped(config, n)) for n in wanted}
     refusal = (PrepareError, _template_error())
     max_length = config.prepare.max_length
     for row in rows:
@@ -298,9 +311,8 @@ def _render_span(span: Span, color: bool, context_chars: int | None) -> str:
 
 
 def render_sample(sample: SampleView, color: bool = False, context_chars: int | None = None) -> str:
-    head = (
-        f"--- {sample.dataset}/{visible(sample.id)}  thinking={sample.thinking}  {sample.tokens:,} tokens, {sample.trained:,} trained ---"
-    )
+    trained = f"left out: {sample.left_out}" if sample.left_out else f"{sample.trained:,} trained"
+    head = f"--- {sample.dataset}/{visible(sample.id)}  thinking={sample.thinking}  {sample.tokens:,} tokens, {trained} ---"
     body = "".join(_render_span(span, color, context_chars) for span in sample.spans)
     lines = [head, body]
     lines += [f"!!! mask check: {problem}" for problem in sample.problems]
@@ -310,11 +322,12 @@ def render_sample(sample: SampleView, color: bool = False, context_chars: int | 
 def summary_line(ds: DatasetReport) -> str:
     if not ds.generated:
         return f"{ds.name}  not generated (no data.jsonl)"
-    return (
+    line = (
         f"{ds.name}  records {ds.conversations:,}  samples {ds.samples:,}  replies {ds.replies:,}  "
         f"trained {ds.trained:,} tok  thinking {100 * ds.thinking_share:.0f}%  cut {ds.truncated:,}  "
-        f"refused {ds.refused_records:,}  mask problems {ds.problem_samples:,}"
+        f"left out {sum(ds.left_out.values()):,}  refused {ds.refused_records:,}  mask problems {ds.problem_samples:,}"
     )
+    return line + (f"  (generate skipped {ds.skipped:,} rows too long to train)" if ds.skipped else "")
 
 
 def _reason_lines(label: str, reasons: dict[str, Reason]) -> list[str]:
@@ -337,6 +350,7 @@ def render_text(report: InspectReport, color: bool = False, context_chars: int |
     lines.append("")
     for ds in report.datasets:
         lines.append(summary_line(ds))
+        lines += [f"  left out {n:,}: {DROPPED_AS[why]} ({report.max_length:,})" for why, n in ds.left_out.items()]
         lines += _reason_lines("refused", ds.refused) + _reason_lines("mask problem", ds.problems)
     if report.duplicates:
         lines.append(f"({report.duplicates:,} records with a repeated prompt left out, as prepare does)")

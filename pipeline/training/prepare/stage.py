@@ -37,10 +37,15 @@ from pipeline.training.prepare.inputs import Sample, fingerprint, read_conversat
 from pipeline.training.prepare.samples import Built, SampleBuilder
 from pipeline.training.prepare.vocab import write_draft_vocab
 
-__all__ = ["build_row", "prepare", "sample_builder"]
+__all__ = ["DROPPED_AS", "build_row", "drop_reason", "prepare", "sample_builder"]
 
 
 CHECKED_PER_DATASET = 8  # samples whose masks are checked before the rest is tokenized
+# why a sample is left out; generate skips the first before paying for it (``long_prompts``), so
+# here it counts records from before that, or from other tools
+PROMPT_FILLS_MAX_LENGTH = "prompt_fills_max_length"
+NOTHING_TO_TRAIN = "nothing_the_target_wrote"
+DROPPED_AS = {PROMPT_FILLS_MAX_LENGTH: "whose prompt fills max_length", NOTHING_TO_TRAIN: "with no token the target wrote"}
 
 
 def sample_builder(config: RunConfig, tokenizer: Any) -> SampleBuilder:
@@ -66,11 +71,22 @@ def build_row(builder: SampleBuilder, row: dict[str, Any]) -> list[Built]:
         raise PrepareError(f"{row['dataset']}/{row['id']}: {exc}") from None
 
 
-def _tokenize_rows(builder: SampleBuilder, rows: list[dict[str, Any]], max_length: int, ctx: StageContext) -> tuple[list[Sample], int]:
-    """Samples with at least one trained token, and how many were cut at ``max_length``. The
-    first samples of each dataset are checked to train what the target wrote, before the rest."""
+def drop_reason(built: Built, max_length: int) -> str | None:
+    """Why a sample trains nothing (None: it trains something)."""
+    if not any(built.mask):
+        return NOTHING_TO_TRAIN
+    return None if any(built.mask[:max_length]) else PROMPT_FILLS_MAX_LENGTH
+
+
+def _tokenize_rows(
+    builder: SampleBuilder, rows: list[dict[str, Any]], max_length: int, ctx: StageContext
+) -> tuple[list[Sample], int, Counter[str]]:
+    """Samples with at least one trained token, how many were cut at ``max_length``, and how
+    many were left out, by reason. The first samples of each dataset are checked to train what
+    the target wrote, before the rest."""
     samples: list[Sample] = []
     truncated = 0
+    dropped: Counter[str] = Counter()
     checked: Counter[str] = Counter()
     for i, row in enumerate(rows):
         ctx.checkpoint()
@@ -83,12 +99,13 @@ def _tokenize_rows(builder: SampleBuilder, rows: list[dict[str, Any]], max_lengt
                         f"{row['dataset']}/{row['id']}: the loss mask would not train what the target wrote: {'; '.join(problems)} "
                         "(eagleops inspect RUN.toml shows the sample)"
                     )
+            if (reason := drop_reason(built, max_length)) is not None:
+                dropped[reason] += 1
+                continue
             truncated += built.length > max_length
-            mask = built.mask[:max_length]
-            if sum(mask):
-                samples.append((built.ids[:max_length], mask))
+            samples.append((built.ids[:max_length], built.mask[:max_length]))
         ctx.progress(i + 1, len(rows), "samples")
-    return samples, truncated
+    return samples, truncated, dropped
 
 
 def _write_shards(folder: Path, samples: list[Sample], per_shard: int) -> list[PreparedShard]:
@@ -144,7 +161,14 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
     rng = random.Random(config.prepare.seed)
     held_out, rows = _split(config, rows, rng)
     builder = sample_builder(config, tokenizer)
-    samples, truncated = _tokenize_rows(builder, rows, config.prepare.max_length, ctx)
+    samples, truncated, dropped = _tokenize_rows(builder, rows, config.prepare.max_length, ctx)
+    if dropped:
+        reasons = ", ".join(f"{n} {DROPPED_AS[why]}" for why, n in dropped.most_common())
+        ctx.log(
+            "warning",
+            f"prepare: left out {sum(dropped.values())} samples that train nothing: {reasons} ({config.prepare.max_length}); "
+            "`eagleops inspect RUN.toml` shows them",
+        )
     mismatches = builder.exact_mismatches
     if mismatches:
         ctx.log(
@@ -183,6 +207,7 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
         duplicates_dropped=duplicates,
         truncated=int(truncated),
         retokenized_mismatches=mismatches,
+        dropped=dict(dropped),
         held_out=len(held_out),
         max_length=config.prepare.max_length,
         vocab_size=vocab_size,

@@ -1,10 +1,11 @@
 """Stand-in written for eagleops' tests, not Moonshot's file: the wrapper class Kimi-K2.5's
 config.json names in ``auto_map``, laid out as the real checkpoint's weight map is (the
 language model under ``language_model.``, the vision projector under ``mm_projector.``). The
-vision tower is left out: the tests feed text only."""
+vision tower is left out: the tests feed text only. Like Moonshot's wrapper, it does not inherit
+``GenerationMixin``, so transformers (>= 4.50) gives it no ``generate``."""
 
 from torch import nn
-from transformers import DeepseekV3ForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import DeepseekV3ForCausalLM, PreTrainedModel
 
 from .configuration_kimi_k25 import KimiK25Config
 
@@ -17,7 +18,7 @@ class KimiK25Projector(nn.Module):
         self.proj = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, text_width))
 
 
-class KimiK25ForConditionalGeneration(PreTrainedModel, GenerationMixin):
+class KimiK25ForConditionalGeneration(PreTrainedModel):
     config_class = KimiK25Config
     base_model_prefix = "language_model"
     _no_split_modules = ["DeepseekV3DecoderLayer"]
