@@ -285,7 +285,9 @@ def _autocast(device):
 class SpecForgeSide(Side):
     name = "SpecForge 0.2.0"
 
-    def __init__(self, sf, config, target, d2t, t2d, args, device):
+    def __init__(self, sf, config, target, d2t, t2d, args, device, *, lr_scheduler: str = "constant", total_steps: int = 10**6):
+        """``lr_scheduler``/``total_steps``: its BF16Optimizer's schedule (``cosine`` decays to 0
+        over ``total_steps`` without warm-up, as ours does with ``warmup_ratio = 0``)."""
         self.sf, self.device = sf, device
         draft = sf.Draft(copy.deepcopy(config), attention_backend=args.sf_attention)
         with torch.no_grad():
@@ -303,8 +305,14 @@ class SpecForgeSide(Side):
             head.fc.weight.copy_(target.head)
         head.freeze_weights()
         self.strategy = sf.Strategy(self.model, target_head=head.to(device), ploss_decay=0.8)
-        optimizer = sf.BF16Optimizer(
-            self.draft, lr=args.lr, weight_decay=0.0, max_grad_norm=0.5, total_steps=10**6, warmup_ratio=0.0, lr_scheduler="constant"
+        optimizer = self.optimizer = sf.BF16Optimizer(
+            self.draft,
+            lr=args.lr,
+            weight_decay=0.0,
+            max_grad_norm=0.5,
+            total_steps=total_steps,
+            warmup_ratio=0.0,
+            lr_scheduler=lr_scheduler,
         )
 
         class OneProcessBackend(sf.TrainingBackend):

@@ -19,6 +19,7 @@ from pipeline.protocol.events import Command, DatasetProgress, Kill, Pause, Resu
 from pipeline.protocol.report import detail_text, format_event, json_line, status_line
 
 EXIT_USAGE = 2
+DEMO_DIR = Path("eagleops-demo")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,8 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     sources.add_argument("--json", action="store_true", help="one JSON list, nothing rendered")
 
     demo = sub.add_parser("demo", help="offline end-to-end run on a tiny local model")
-    demo.add_argument("--dir", type=Path, default=Path("eagleops-demo"), help="where the demo keeps its files")
+    demo.add_argument("--dir", type=Path, default=DEMO_DIR, help="where the demo keeps its files (--real: eagleops-demo-real)")
     demo.add_argument("--fresh", action="store_true", help="discard the demo's earlier output and generate again")
+    demo.add_argument(
+        "--real", action="store_true", help="the real SmolLM2-135M-Instruct on the raw ShareGPT file (about 10 minutes on 2 cores)"
+    )
     add_view_flags(demo)
 
     def add_socket(p: argparse.ArgumentParser) -> None:
@@ -239,9 +243,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sources":
             return _sources(args)
         if args.command == "demo":
-            from pipeline.demo.demo import prepare_demo
+            from pipeline.demo.demo import DemoRun, prepare_demo, prepare_real_demo
 
-            demo = prepare_demo(args.dir, fresh=args.fresh, log=lambda m: print(m, file=sys.stderr, flush=True))
+            say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+            demo: DemoRun
+            if args.real:
+                directory = args.dir if args.dir != DEMO_DIR else Path("eagleops-demo-real")
+                demo = prepare_real_demo(directory, fresh=args.fresh, log=say)
+            else:
+                demo = prepare_demo(args.dir, fresh=args.fresh, log=say)
             with demo.serve() as run_path:
                 return _run(load_run(run_path), args)
         if args.command == "attach":

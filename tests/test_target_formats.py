@@ -135,9 +135,21 @@ def test_every_regenerated_reply_is_trained_as_written(builders, target):
     _check(b, samples, "keep")
 
 
+# Templates that concatenate a tool call's ``arguments`` as text: vLLM and SGLang hand them an
+# object (``as_engine_renders``), so the engine itself cannot render a conversation with a tool
+# call in its history (tests/test_engine_messages.py checks that against vLLM's own function)
+NEEDS_TEXT_ARGUMENTS = {"deepseek-v3.1"}
+
+
 @pytest.mark.parametrize("target", THINKERS)
 def test_a_reply_after_a_tool_result_is_trained_as_written(builders, target):
+    from pipeline.training.prepare.chat_template import PrepareError
+
     b = builders(target)
+    if target in NEEDS_TEXT_ARGUMENTS:
+        with pytest.raises(PrepareError, match=r"arguments parsed into objects\): can only concatenate str \(not \"dict\"\)"):
+            b.build(_after_tool(), [4], "keep")
+        return
     samples = b.build(_after_tool(), [4], "keep")
     assert _spans(b, samples) == [KEEP[target].format(r=R, c=C)]
     assert "rain, 7C" in b.tokenizer.decode(samples[0].ids)
@@ -156,6 +168,8 @@ def test_llama_cannot_show_kept_thinking_and_says_what_to_do(builders):
 @pytest.mark.parametrize("target", [*THINKERS, "llama-3.1-8b-instruct"])
 @pytest.mark.parametrize("conversation", ["one", "two", "tool"])
 def test_dropped_thinking_is_context_never_trained(builders, target, conversation):
+    if conversation == "tool" and target in NEEDS_TEXT_ARGUMENTS:
+        pytest.skip("the engine cannot render this conversation for this template (test_a_reply_after_a_tool_result...)")
     b = builders(target)
     messages, trained, answers = {"one": (_one(), [1], [C]), "two": (_two(), [1, 3], [C, C2]), "tool": (_after_tool(), [4], [C])}[
         conversation

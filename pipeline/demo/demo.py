@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.demo.tinymodel import build_tiny_model, sample_text
 from pipeline.servers.launch import start_server
 
-__all__ = ["DemoRun", "prepare_demo", "write_demo_datasets"]
+__all__ = ["DemoRun", "RealDemoRun", "prepare_demo", "prepare_real_demo", "write_demo_datasets"]
 
 TINY_PRETRAIN_STEPS = 120  # a real (if tiny) language model: its next token has structure to learn
 
@@ -119,6 +119,82 @@ class DemoRun:
         argv = ["pipeline.servers.model", "--model", str(self.model_dir), "--name", "tiny-llama", "--max-batch", "32"]
         with start_server(argv, self.directory / "server.port", log_path=self.directory / "server.log") as port:
             yield self.write_run(port)
+
+
+@dataclass
+class RealDemoRun(DemoRun):
+    """The same pipeline on the real SmolLM2-135M-Instruct and the raw ShareGPT V3 file
+    (``pipeline/demo/real.py``), served by our own model server on this machine's CPU."""
+
+    sharegpt: Path = Path()
+
+    def write_run(self, port: int) -> Path:
+        text = f"""# eagleops demo --real: SmolLM2-135M-Instruct answers ShareGPT's questions, then every ML stage
+name = "demo-real"
+output_dir = "out"
+concurrency = 16
+status_interval_s = 5
+
+[sampling]
+max_tokens = 128
+temperature = 0.7
+top_p = 0.9
+
+[[endpoints]]
+base_url = "http://127.0.0.1:{port}/v1"
+model = "SmolLM2-135M-Instruct"
+
+[[datasets]]
+name = "sharegpt"
+path = "{self.sharegpt}"       # the raw V3 file, cut off mid-item as published
+format = "sharegpt"
+token_budget = 6000
+long_prompts = "drop-oldest"  # long chats lose their earliest turns, so the reply is trained
+
+[target]
+model = "{self.model_dir}"
+[prepare]
+max_length = 768
+draft_vocab_size = 8192
+eval_fraction = 0.1
+eval_max = 12
+[extract]
+shard_samples = 64
+[train]
+epochs = 3
+lr = 2e-3
+batch_size = 2
+ttt_length = 4
+warmup_ratio = 0.05
+checkpoint_every = 50
+log_every = 5
+[eval]
+prompts = 12
+max_new_tokens = 64
+draft_tokens = 3
+"""
+        self.run_path.write_text(text)
+        return self.run_path
+
+    @contextlib.contextmanager
+    def serve(self) -> Iterator[Path]:
+        argv = ["pipeline.servers.model", "--model", str(self.model_dir), "--name", "SmolLM2-135M-Instruct", "--max-batch", "16"]
+        with start_server(argv, self.directory / "server.port", log_path=self.directory / "server.log") as port:
+            yield self.write_run(port)
+
+
+def prepare_real_demo(directory: Path, *, fresh: bool = False, log: Callable[[str], None] = lambda m: None) -> RealDemoRun:
+    """The real model and data (built or fetched once, into eagleops' cache) and a run on them."""
+    from pipeline.demo.real import sharegpt_file, smollm2_checkpoint
+
+    directory = directory.resolve()
+    if fresh:
+        shutil.rmtree(directory / "out", ignore_errors=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    model_dir = smollm2_checkpoint(log=log)
+    sharegpt = sharegpt_file(log=log)
+    log(f"demo files in {directory}; starting SmolLM2 on 127.0.0.1 (our model server, on this CPU) ...")
+    return RealDemoRun(directory, model_dir, sharegpt)
 
 
 def prepare_demo(directory: Path, *, fresh: bool = False, log: Callable[[str], None] = lambda m: None) -> DemoRun:

@@ -72,6 +72,8 @@ class Completion:
     token_ids: tuple[int, ...] | None = None
     # a regenerated conversation's record: every reply's ids, in order (the last is token_ids)
     reply_token_ids: tuple[tuple[int, ...] | None, ...] = ()
+    prompt_ids: tuple[int, ...] | None = None  # what the server fed the target, where it says
+    reply_prompt_ids: tuple[tuple[int, ...] | None, ...] = ()  # each reply's, for a regenerated conversation
     tool_calls: tuple[dict[str, Any], ...] = ()
 
 
@@ -251,6 +253,7 @@ class ChatClient:
             reasoning_tokens=_reasoning_share(reply, completion_tokens),
             token_ids=reply.token_ids,
             tool_calls=reply.tool_calls,
+            prompt_ids=reply.prompt_ids,
         )
 
     def _trusted_count(self, reply: Reply, endpoint: EndpointState) -> int | None:

@@ -46,6 +46,7 @@ def _combined(completions: list[Completion]) -> Completion:
         attempts=sum(c.attempts for c in completions),
         cost=sum(costs) if costs else None,
         reply_token_ids=tuple(c.token_ids for c in completions),
+        reply_prompt_ids=tuple(c.prompt_ids for c in completions),
     )
 
 

@@ -53,9 +53,14 @@ def generated_record(
         record["source_file"] = prompt.shard
     if completion.token_ids is not None:
         record["completion_token_ids"] = list(completion.token_ids)
+    if completion.prompt_ids is not None:  # what the target processed: prepare trains on it as it is
+        record["prompt_token_ids"] = list(completion.prompt_ids)
     earlier = completion.reply_token_ids
     if len(earlier) > 1 and all(ids is not None for ids in earlier):  # each reply of the chat, as target_turns
         record["reply_token_ids"] = [list(ids) for ids in earlier if ids is not None]
+    prompts = completion.reply_prompt_ids
+    if len(prompts) > 1 and all(ids is not None for ids in prompts):
+        record["reply_prompt_ids"] = [list(ids) for ids in prompts if ids is not None]
     return record
 
 

@@ -35,6 +35,7 @@ class Reply:
     token_ids: tuple[int, ...] | None
     cost: float | None
     tool_calls: tuple[dict[str, Any], ...] = ()  # the target's calls of the request's tools, as the server parsed them
+    prompt_ids: tuple[int, ...] | None = None  # the ids the server fed the target (vLLM's ``return_token_ids``)
 
 
 def _routed(kind: str, base_url: str) -> bool:
@@ -125,8 +126,7 @@ def parse_reply(raw: bytes) -> Reply:
     text, reasoning = split_thinking(text, reasoning)  # thinking the parser missed is thinking too
     usage = _table(payload, "usage")
     details = usage.get("completion_tokens_details") or {}
-    ids = choice.get("token_ids")
-    token_ids = tuple(ids) if isinstance(ids, list) and all(_count(i) is not None for i in ids) else None
+    token_ids, prompt_ids = _ids(choice.get("token_ids")), _ids(payload.get("prompt_token_ids"))
     cost = usage.get("cost")
     calls = message.get("tool_calls")
     tool_calls = tuple(c for c in calls if isinstance(c, dict)) if isinstance(calls, list) else ()
@@ -140,4 +140,9 @@ def parse_reply(raw: bytes) -> Reply:
         token_ids=token_ids,
         cost=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) and cost >= 0 else None,
         tool_calls=tool_calls,
+        prompt_ids=prompt_ids,
     )
+
+
+def _ids(value: Any) -> tuple[int, ...] | None:
+    return tuple(value) if isinstance(value, list) and all(_count(i) is not None for i in value) else None

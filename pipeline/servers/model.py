@@ -2,6 +2,8 @@
 
 Requests are batched dynamically: a worker thread takes what is queued (up to ``--max-batch``),
 left-pads, and runs one ``generate`` for the batch, so the event loop never blocks on torch.
+Messages reach the chat template as vLLM hands them over (tool-call arguments as objects), and
+every reply carries the prompt's and the reply's token ids, as vLLM's ``return_token_ids`` does.
 A request whose client disconnects is dropped, and a batch whose clients all left stops early.
 ``/metrics`` speaks vLLM's metric names, so the console's server pane reads it like vLLM.
 
@@ -25,6 +27,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from aiohttp import web
+
+from pipeline.formats.engine_messages import as_engine_renders
 
 from .common import LOOPBACK, serve_forever, wait_unless_disconnected
 
@@ -112,7 +116,7 @@ class ModelServer:
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": {"message": f"bad request: {exc}", "type": "invalid_request_error"}}, status=400)
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(as_engine_renders(messages), add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
         except Exception as exc:
@@ -135,7 +139,8 @@ class ModelServer:
             job.cancelled.set()
             self.counters["aborted"] += 1
             return web.Response(status=499)
-        text, n_generated, finish = result
+        text, tokens, finish = result
+        n_generated = len(tokens)
         self.counters["prompt"] += len(ids)
         self.counters["generation"] += n_generated
         self.counters["success"] += 1
@@ -145,8 +150,9 @@ class ModelServer:
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": self.name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "token_ids": tokens}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": n_generated, "total_tokens": len(ids) + n_generated},
+                "prompt_token_ids": ids,
             }
         )
 
@@ -184,7 +190,7 @@ class ModelServer:
             finally:
                 self.running = 0
 
-    def _generate(self, batch: list[_Job]) -> list[tuple[str, int, str]]:
+    def _generate(self, batch: list[_Job]) -> list[tuple[str, list[int], str]]:
         torch = self.torch
         from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -225,7 +231,7 @@ class ModelServer:
                 tokens = tokens[: ends[0]]
                 finish = "stop"
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            results.append((text, len(tokens), finish))
+            results.append((text, tokens, finish))
         return results
 
 

@@ -74,7 +74,9 @@ class PreparedIndex:
     tokenizer: str
     shards: tuple[PreparedShard, ...]
     retokenized_mismatches: int = 0  # replies whose template render differs from the ids generated
-    dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # samples left out, by reason (``DROP_REASONS``)
+    dropped: dict[str, int] = dataclasses.field(default_factory=dict)  # samples left out, by reason (prepare's ``DROPPED_AS``)
+    served_prompts: int = 0  # prompts trained on as the server fed them (its token ids)
+    prompt_mismatches: int = 0  # of those, ones the template's rendering of the record does not give
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -286,11 +288,11 @@ class EvalResult:
     acceptance_length: float
     acceptance_rate_per_position: list[float]
     greedy_mismatches: int  # outputs with the drafter that differ from plain greedy decoding's
-    outputs: int = 0  # outputs compared (each question's turns)
     backend: str = "hf"
     tok_per_s: float | None = None  # served: generated tokens per second with the drafter
     tok_per_s_without_drafter: float | None = None
     benchmark: str = "held-out"  # the held-out prompts, or a benchmark's name
+    outputs: int = 0  # outputs compared with plain greedy decoding's (each question's turns)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

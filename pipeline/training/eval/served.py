@@ -9,6 +9,7 @@ vLLM (no drafter): its outputs must equal the speculative ones, and its tok/s is
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,9 @@ from pipeline.training.context import StageContext, serving
 from pipeline.training.eval.acceptance import Acceptance, acceptance_from_counts
 from pipeline.training.eval.benchmarks import Decode, Work
 
-__all__ = ["evaluate_served", "evaluate_sglang"]
+__all__ = ["DIFFERENCES", "evaluate_served", "evaluate_sglang", "write_differences"]
+
+DIFFERENCES = "eval-differences.jsonl"  # in the output folder: each output the drafter changed, and where
 
 _DRAFTS = "vllm:spec_decode_num_drafts_total"
 _ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -72,6 +75,7 @@ def evaluate_served(config: RunConfig, ctx: StageContext, work: list[Work], expo
     ctx.log("info", f"eval: vLLM with the drafter ({k} draft tokens), then without, over {questions} questions in {len(work)} sets")
     speculative = _decode(config, ctx, work, spec)
     plain = _decode(config, ctx, work, None)
+    write_differences(config.output_dir, work, speculative, plain)
     results = []
     for (name, n, _), (spec_out, deltas, spec_tps), (plain_out, _, plain_tps) in zip(work, speculative, plain):
         # vLLM counts drafts (verify steps), accepted tokens, and the drafts whose j-th token was accepted
@@ -121,12 +125,25 @@ def evaluate_sglang(config: RunConfig, ctx: StageContext, work: list[Work], expo
     ctx.log("info", f"eval: SGLang with the drafter ({k} draft tokens), then without, over {len(work)} sets")
     speculative = _sglang_decode(config, ctx, work, export_dir)
     plain = _sglang_decode(config, ctx, work, None)
+    write_differences(config.output_dir, work, speculative, plain)
     results = []
     for (name, n, _), (spec_out, deltas, spec_tps), (plain_out, _, plain_tps) in zip(work, speculative, plain):
         steps, generated = deltas["verify_steps"], deltas["generated"]
         acceptance = acceptance_from_counts(steps, generated - steps)  # each step gains its accepted drafts + 1
         results.append(_served_result("sglang", export_dir, k, acceptance, n, (spec_out, plain_out), (spec_tps, plain_tps), name))
     return results
+
+
+def write_differences(output_dir: Path, work: list[Work], speculative: list[Measured], plain: list[Measured]) -> None:
+    """Every output with the drafter that is not plain decoding's, with the first token where they
+    part (``eval-differences.jsonl``): what to look at when the counts say they differ."""
+    with open(output_dir / DIFFERENCES, "w", encoding="utf-8") as f:
+        for (name, _, _), (spec_out, _, _), (plain_out, _, _) in zip(work, speculative, plain):
+            for i, (a, b) in enumerate(zip(spec_out, plain_out)):
+                if a != b:
+                    first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    line = {"benchmark": name, "output": i, "first_difference": first, "speculative": a, "plain": b}
+                    f.write(json.dumps(line) + "\n")
 
 
 def _served_result(

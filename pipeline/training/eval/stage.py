@@ -120,7 +120,8 @@ def _report(config: RunConfig, ctx: StageContext, results: list[EvalResult]) -> 
             ctx.log(
                 "warning",
                 f"eval: {r.benchmark}: {r.greedy_mismatches} of {r.outputs or r.prompts} outputs with the drafter differ from plain greedy "
-                f"decoding's ({r.backend}); acceptance is still measured on the speculative outputs (docs/ml-stages.md: what eval can promise)",
+                f"decoding's ({r.backend}{'; eval-differences.jsonl says where' if r.backend != 'hf' else ''}): verifying several tokens "
+                "in one forward rounds differently from decoding one, so near-ties can flip (docs/ml-stages.md: what eval can promise)",
             )
 
 

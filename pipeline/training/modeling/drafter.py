@@ -160,12 +160,26 @@ class Eagle3Drafter(nn.Module):
         ``positions`` [T] are the absolute positions of the queries (their RoPE advances by
         ``step_index``); step 0 must cover every position later steps attend to.
         """
+        state, normed = self.advance(hidden, tokens, positions, step_index, cache, key_padding)
+        return state, self.lm_head(normed)
+
+    def advance(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        step_index: int,
+        cache: DraftCache,
+        key_padding: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step`` without the head: (the state the next step reads, the normed output the head
+        reads). Training applies the head only where the loss needs it."""
         embeds = self.embed_tokens(tokens).to(hidden.dtype)
         rope_positions = (positions + step_index)[None, :].expand(hidden.shape[0], -1)
         cos, sin = self.rotary(hidden, rope_positions)
         out = self.midlayer(embeds, hidden, cos.to(hidden.dtype), sin.to(hidden.dtype), cache, positions, key_padding)
         normed = self.norm(out)
-        return (normed if self.norm_output else out), self.lm_head(normed)
+        return (normed if self.norm_output else out), normed
 
     # ---- inference: chain drafting ----------------------------------------------------------
     def session(self) -> DraftSession:

@@ -14,11 +14,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeline.config import RunConfig
+from pipeline.errors import ConfigError
+from pipeline.formats.thinking import THINK_OPEN
 
 __all__ = [
     "CANDIDATE_SWITCHES",
     "ThinkingSwitch",
     "learn_thinking_switch",
+    "require_thinking_can_stop",
     "template_kwargs",
     "thinking_off_kwargs",
     "with_target_thinking_switch",
@@ -75,21 +78,43 @@ def template_kwargs(config: RunConfig, tokenizer: Any, thinking: str) -> dict[st
     return switch.kwargs(thinking) if switch else {}
 
 
+def require_thinking_can_stop(config: RunConfig, tokenizer: Any) -> None:
+    """``thinking = "off"`` on a target whose template opens its thinking in every generation
+    prompt, whatever it is sent, is refused: the target cannot answer without thinking, and
+    training on what the template forces would teach the drafter a reply the target never gives."""
+    off = [ds.name for ds in config.datasets if config.thinking_for(ds) == "off"]
+    if not off:
+        return
+    given = template_kwargs(config, tokenizer, "off")
+    if not _prompt(tokenizer, **given).rstrip().endswith(THINK_OPEN):
+        return
+    tried = ", ".join(f"{key}={off_value!r}" for key, off_value, _, _ in CANDIDATE_SWITCHES)
+    target = config.target.tokenizer_path if config.target is not None else "the target"
+    raise ConfigError(
+        f'{config.source}: thinking = "off" (datasets {", ".join(off)}): the chat template of {target} opens {THINK_OPEN} in every '
+        f"generation prompt{f' even with {given}' if given else ''} and reads no switch that stops it (tried {tried}): this target "
+        'cannot answer without thinking. Use thinking = "keep" (its thinking trained) or "drop" (kept as context, not trained)'
+    )
+
+
 def with_target_thinking_switch(config: RunConfig) -> RunConfig:
     """The run with ``[sampling] thinking_off_kwargs`` and ``thinking_on_kwargs`` learned from
     ``[target]``'s template where the run file does not set them. Learned here, where the target
-    is known, and handed to generate as plain data: generate stays free of transformers."""
-    sampling = config.sampling
-    if config.target is None or (sampling.thinking_off_kwargs is not None and sampling.thinking_on_kwargs is not None):
+    is known, and handed to generate as plain data: generate stays free of transformers. A
+    ``thinking = "off"`` the target cannot honour is refused here, before anything is sent."""
+    if config.target is None:
         return config
     from pipeline.training.modeling.target import load_target_tokenizer
 
-    switch = learn_thinking_switch(load_target_tokenizer(config.target))
-    if switch is None:
-        return config
-    learned = replace(
-        sampling,
-        thinking_off_kwargs=sampling.thinking_off_kwargs if sampling.thinking_off_kwargs is not None else switch.kwargs("off"),
-        thinking_on_kwargs=sampling.thinking_on_kwargs if sampling.thinking_on_kwargs is not None else switch.kwargs("keep"),
-    )
-    return replace(config, sampling=learned)
+    tokenizer = load_target_tokenizer(config.target)
+    sampling = config.sampling
+    switch = learn_thinking_switch(tokenizer)
+    if switch is not None:
+        sampling = replace(
+            sampling,
+            thinking_off_kwargs=sampling.thinking_off_kwargs if sampling.thinking_off_kwargs is not None else switch.kwargs("off"),
+            thinking_on_kwargs=sampling.thinking_on_kwargs if sampling.thinking_on_kwargs is not None else switch.kwargs("keep"),
+        )
+        config = replace(config, sampling=sampling)
+    require_thinking_can_stop(config, tokenizer)
+    return config

@@ -18,7 +18,9 @@ from pipeline.training.prepare.chat_template import PrepareError
 __all__ = ["Sample", "fingerprint", "read_conversations", "read_extra"]
 
 Sample = tuple[list[int], list[int]]  # (input_ids, loss_mask)
-SAMPLE_RULE = 2  # how samples are built (2: the sequence the target processed); a change re-prepares
+# how samples are built (2: the sequence the target processed; 3: tool calls as the engine renders
+# them, the server's prompt ids where it gave them); a change re-prepares
+SAMPLE_RULE = 3
 
 
 def _prompt_key(messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> str:
@@ -70,6 +72,7 @@ def read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict[
                 trained = record.get("target_turns")  # absent in older outputs: every assistant turn
                 replies = record.get("reply_token_ids")  # every reply's ids, for a regenerated chat
                 exact_turns = dict(zip(trained, replies, strict=True)) if trained and replies and len(replies) == len(trained) else {}
+                served_prompts = _served_prompts(record, trained, len(messages) - 1)
                 rows.append(
                     {
                         "key": key,
@@ -82,9 +85,19 @@ def read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict[
                         "thinking": thinking,
                         "finished": record.get("finish_reason") != "length",
                         "tools": tools,
+                        "served_prompts": served_prompts,
                     }
                 )
     return rows, duplicates
+
+
+def _served_prompts(record: dict[str, Any], trained: list[int] | None, last: int) -> dict[int, list[int]]:
+    """The prompt ids the server fed the target before each reply, by the reply's index."""
+    each = record.get("reply_prompt_ids")
+    if trained and isinstance(each, list) and len(each) == len(trained):
+        return dict(zip(trained, each, strict=True))
+    single = record.get("prompt_token_ids")
+    return {last: single} if isinstance(single, list) and single else {}
 
 
 def read_extra(path: Path, max_length: int) -> list[Sample]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.formats.thinking import split_thinking
 from pipeline.training.modeling.reply_format import ReplyFormat, Unrepresentable, learn_reply_format
-from pipeline.training.prepare.chat_template import PrepareError, render_ids
+from pipeline.training.prepare.chat_template import PrepareError, render_ids, render_text
 
 __all__ = ["Built", "Reply", "SampleBuilder", "Unrepresentable"]
 
@@ -92,6 +92,8 @@ class SampleBuilder:
         self.kwargs = kwargs
         self.stop_ids = frozenset(stop_ids)
         self.exact_mismatches = 0
+        self.prompt_mismatches = 0  # server prompts our rendering of the record does not give
+        self.served_prompts = 0  # prompts trained on as the server fed them
 
     @classmethod
     def learn(cls, tokenizer: Any, kwargs: dict[str, dict[str, Any]], stop_ids: Collection[int]) -> SampleBuilder:
@@ -101,15 +103,22 @@ class SampleBuilder:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
-    def _thinking_end(self, fmt: ReplyFormat, ids: list[int], thought: str | None) -> int | None:
+    def _thinking_end(self, fmt: ReplyFormat, ids: list[int], thought: str | None, *, calls: bool = False) -> int | None:
         """Where the thinking ends in the server's ids: past the close and the whitespace the
         format writes after it; None where it cannot be found. A reply without thinking has
-        none (its bare prefix, Qwen3's empty block, is written by the target and trained)."""
+        none (its bare prefix, Qwen3's empty block, is written by the target and trained). A
+        reply that calls tools may close its thinking on the way to another channel than the
+        answer's (gpt-oss: ``<|end|>`` then commentary, not final): the longest start of the
+        close that is there ends it."""
         if not thought:
             return 0
         if not fmt.shows_thinking or not (fmt.closes or "").strip():
             return None
-        end = _find(ids, self._encode((fmt.closes or "").strip()))
+        closes = self._encode((fmt.closes or "").strip())
+        end = _find(ids, closes)
+        for n in range(len(closes) - 1, 0, -1) if end < 0 and calls else ():
+            if (end := _find(ids, closes[:n])) >= 0:
+                break
         if end < 0:
             return None
         while end < len(ids) and ids[end] not in self.stop_ids and not self.tokenizer.decode([ids[end]]).strip():
@@ -122,7 +131,15 @@ class SampleBuilder:
         return self._encode(thinking_text), self._encode(answer_text)
 
     def reply_ids(
-        self, fmt: ReplyFormat, thought: str | None, answer: str, exact: list[int] | None, finished: bool, *, split: bool
+        self,
+        fmt: ReplyFormat,
+        thought: str | None,
+        answer: str,
+        exact: list[int] | None,
+        finished: bool,
+        *,
+        split: bool,
+        calls: bool = False,
     ) -> tuple[list[int], int, bool]:
         """(the reply's ids, how many of them are thinking, whether they are the server's).
         ``split``: the thinking must be told apart (it is not trained); with the server's ids
@@ -137,9 +154,11 @@ class SampleBuilder:
                 self.exact_mismatches += ids[: len(thinking) + len(answer_ids)] != thinking + answer_ids
             except Unrepresentable:
                 self.exact_mismatches += 1
-            boundary = self._thinking_end(fmt, ids, thought)
+            boundary = self._thinking_end(fmt, ids, thought, calls=calls)
             if boundary is not None or not split:
                 return ids, boundary or 0, True
+            if calls:  # rebuilt from its text, a reply that calls tools would lose its calls
+                raise Unrepresentable("the end of its thinking cannot be found in the server's ids of a reply that calls tools")
         thinking, answer_ids = self._rebuilt(fmt, thought, answer, finished)
         return thinking + answer_ids + end, len(thinking) if thought else 0, False
 
@@ -155,6 +174,14 @@ class SampleBuilder:
         """The template's kwargs as the server passed them: the thinking switch, and the row's tools."""
         return {**self.kwargs[thinking], "tools": tools} if tools else self.kwargs[thinking]
 
+    def _served(self, rendered: list[int], served: list[int] | None) -> list[int]:
+        """The prompt to train on: the server's ids where it gave them, else our rendering."""
+        if not served:
+            return rendered
+        self.served_prompts += 1
+        self.prompt_mismatches += list(served) != rendered
+        return list(served)
+
     def _rendered_call(
         self,
         fmt: ReplyFormat,
@@ -168,12 +195,15 @@ class SampleBuilder:
         """A reply that calls tools, without the server's ids: the tokens the target's template
         gives it after the prompt (the calls in the template's own syntax), up to its turn end;
         (ids, how many are thinking, False: not the server's)."""
-        full = render_ids(self.tokenizer, [*history, reply], **kwargs)
-        ids = full[len(prompt) :]
+        # the text after the prompt's, tokenized on its own as the target emitted it after the
+        # prompt (tokenizing the whole could merge a token across the boundary: `<think>\n` + `\n`)
+        full = render_text(self.tokenizer, [*history, reply], **kwargs)
+        opening = render_text(self.tokenizer, history, generation_prompt=True, **kwargs)
+        ids = self._encode(full[len(opening) :]) if full.startswith(opening) else []
         ends = [i for i, token in enumerate(ids) if token in self.stop_ids]
         ids = ids[: ends[0] + 1] if ends else ids
-        boundary = self._thinking_end(fmt, ids, thought)
-        if full[: len(prompt)] != prompt or (split and boundary is None):
+        boundary = self._thinking_end(fmt, ids, thought)  # rebuilt, a call's channel may not be the model's: no fallback
+        if not full.startswith(opening) or (split and boundary is None):
             raise PrepareError(
                 f"turn {len(history)} calls tools and the template cannot show it after its prompt as the target wrote it; "
                 "generate from a server that returns token ids (vLLM)"
@@ -191,11 +221,14 @@ class SampleBuilder:
         finished: bool = True,
         on_reply: Callable[[int], None] = lambda k: None,
         tools: list[dict[str, Any]] | None = None,
+        served_prompts: dict[int, list[int]] | None = None,
     ) -> list[Built]:
         """The samples of one conversation; ``trained``: the indices of the replies the target
         wrote (None: every assistant turn); ``exact``: the last reply's ids from the server,
         ``exact_turns``: any reply's, by index (a regenerated conversation's);
-        ``finished``: whether that reply ended (not cut at ``max_tokens``)."""
+        ``finished``: whether that reply ended (not cut at ``max_tokens``); ``served_prompts``:
+        the ids the server fed the target before a reply, by index, where it returned them:
+        the truth, trained on as they are (our rendering is checked against them and counted)."""
         fmt, kwargs = self.formats[thinking], self._kwargs(thinking, tools)
         turns = _target_turns(messages, trained)
         sent = _as_sent(messages, turns)
@@ -208,16 +241,23 @@ class SampleBuilder:
             if untrained_thinking and not fmt.shows_thinking:
                 thought = None  # not trained, and this template has no place for it: left out
             last = k == len(messages) - 1
-            prompt = render_ids(self.tokenizer, sent[:k], generation_prompt=True, **kwargs)
+            rendered = render_ids(self.tokenizer, sent[:k], generation_prompt=True, **kwargs)
+            prompt = self._served(rendered, (served_prompts or {}).get(k))
             exact_ids = exact if last and exact else (exact_turns or {}).get(k)
             try:
                 if messages[k].get("tool_calls") and not exact_ids:
                     ids, thinking_ids, is_exact = self._rendered_call(
-                        fmt, sent[:k], messages[k], prompt, kwargs, thought, untrained_thinking
+                        fmt, sent[:k], messages[k], rendered, kwargs, thought, untrained_thinking
                     )
                 else:
                     ids, thinking_ids, is_exact = self.reply_ids(
-                        fmt, thought, answer, exact_ids, finished or not last, split=untrained_thinking
+                        fmt,
+                        thought,
+                        answer,
+                        exact_ids,
+                        finished or not last,
+                        split=untrained_thinking,
+                        calls=bool(messages[k].get("tool_calls")),
                     )
             except Unrepresentable as exc:
                 raise PrepareError(

@@ -66,6 +66,7 @@ def build_row(builder: SampleBuilder, row: dict[str, Any]) -> list[Built]:
             exact_turns=row.get("exact_turns"),
             finished=row["finished"],
             tools=row.get("tools"),
+            served_prompts=row.get("served_prompts"),
         )
     except PrepareError as exc:
         raise PrepareError(f"{row['dataset']}/{row['id']}: {exc}") from None
@@ -134,7 +135,8 @@ def _write_held_out(folder: Path, held_out: list[dict[str, Any]], builder: Sampl
     thinking mode's template switch, the history as sent), so eval replays what serving sees."""
     with open(folder / "eval.jsonl", "w", encoding="utf-8") as f:
         for row in held_out:
-            prompt_ids = builder.served_prompt(row["messages"], row.get("trained"), row["thinking"], tools=row.get("tools"))
+            served = (row.get("served_prompts") or {}).get(len(row["messages"]) - 1)  # what the server fed the target
+            prompt_ids = served or builder.served_prompt(row["messages"], row.get("trained"), row["thinking"], tools=row.get("tools"))
             held = {"id": row["id"], "dataset": row["dataset"], "messages": row["messages"][:-1], "prompt_ids": prompt_ids}
             f.write(json.dumps(held, ensure_ascii=False) + "\n")
 
@@ -168,6 +170,12 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
             "warning",
             f"prepare: left out {sum(dropped.values())} samples that train nothing: {reasons} ({config.prepare.max_length}); "
             "`eagleops inspect RUN.toml` shows them",
+        )
+    if builder.prompt_mismatches:
+        ctx.log(
+            "warning",
+            f"prepare: {builder.prompt_mismatches} of {builder.served_prompts} prompts the server returned differ from the chat template's "
+            "rendering of their record; trained on the server's (eagleops inspect RUN.toml shows one)",
         )
     mismatches = builder.exact_mismatches
     if mismatches:
@@ -208,6 +216,8 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
         truncated=int(truncated),
         retokenized_mismatches=mismatches,
         dropped=dict(dropped),
+        served_prompts=builder.served_prompts,
+        prompt_mismatches=builder.prompt_mismatches,
         held_out=len(held_out),
         max_length=config.prepare.max_length,
         vocab_size=vocab_size,

@@ -57,21 +57,28 @@ class Eagle3Objective(nn.Module):
         self.ttt_length, self.step_weight, self.head_chunk = ttt_length, step_weight, head_chunk
 
     @torch.no_grad()
-    def _targets(self, final: torch.Tensor, loss_mask: torch.Tensor, valid_len: torch.Tensor):
-        """Target distribution over the draft vocab per position, and where it may be learned."""
-        top, probs = target_top_and_draft_probs(final, self.target_head, self.draft_head, self.head_chunk)
-        b, t = loss_mask.shape
+    def _targets(self, final: torch.Tensor, loss_mask: torch.Tensor, valid_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the target's distribution may be learned, as (batch, position) index rows, and
+        that distribution over the draft vocab there: the next token is the target's own, and its
+        top choice lies in the draft vocabulary. Only those rows are computed (prompts are most of
+        a long chat's tokens and teach nothing)."""
+        t = loss_mask.shape[1]
         positions = torch.arange(t, device=final.device)[None, :]
-        next_is_assistant = torch.zeros_like(loss_mask, dtype=torch.bool)
-        next_is_assistant[:, :-1] = loss_mask[:, 1:].bool()
-        valid = next_is_assistant & self.drafter.t2d[top] & (positions + 1 < valid_len[:, None])
-        return probs, valid
+        candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
+        candidate[:, :-1] = loss_mask[:, 1:].bool()
+        candidate &= positions + 1 < valid_len[:, None]
+        where = candidate.nonzero()  # [n, 2]: (batch, position)
+        top, probs = target_top_and_draft_probs(final[where[:, 0], where[:, 1]], self.target_head, self.draft_head, self.head_chunk)
+        learnable = self.drafter.t2d[top]
+        return where[learnable], probs[learnable]
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Step i's loss at position j is against the target's distribution at j + 1 + i, where
+        that is learnable (``_targets``); the draft head and its softmax run at those rows only."""
         ids, aux, final, loss_mask, lengths = batch["input_ids"], batch["aux"], batch["final"], batch["loss_mask"], batch["lengths"]
         b, t = ids.shape
         device = ids.device
-        target_p, valid = self._targets(final, loss_mask, lengths)
+        where, target_p = self._targets(final, loss_mask, lengths)
         positions = torch.arange(t, device=device)
         key_padding = positions[None, :] < lengths[:, None]
         cache = DraftCache.empty()
@@ -82,17 +89,15 @@ class Eagle3Objective(nn.Module):
             shift = 1 + step
             tokens = torch.zeros_like(ids)
             tokens[:, : t - shift] = ids[:, shift:]
-            p = torch.zeros_like(target_p)
-            p[:, : t - shift] = target_p[:, shift:]
-            mask = torch.zeros_like(valid)
-            mask[:, : t - shift] = valid[:, shift:]
-            hidden, logits = self.drafter.step(hidden, tokens, positions, step, cache, key_padding)
+            hidden, normed = self.drafter.advance(hidden, tokens, positions, step, cache, key_padding)
+            rows = where[:, 1] >= shift  # targets this step can reach: the drafter's position is shift earlier
+            p = target_p[rows]
+            logits = self.drafter.lm_head(normed[where[rows, 0], where[rows, 1] - shift])
             log_q = F.log_softmax(logits.float(), dim=-1)
-            per_position = -(p * log_q).sum(-1)
-            count = mask.sum().clamp(min=1)
-            loss = (per_position * mask).sum() / count
+            count = rows.sum().clamp(min=1)
+            loss = -(p * log_q).sum() / count
             with torch.no_grad():
-                accuracies.append(((logits.argmax(-1) == p.argmax(-1)) & mask).sum() / count)
+                accuracies.append((logits.argmax(-1) == p.argmax(-1)).sum() / count)
             losses.append(loss.detach())
             total = total + (self.step_weight**step) * loss
         return total, losses, accuracies
