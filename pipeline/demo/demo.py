@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pipeline.demo.tinymodel import build_tiny_model, sample_text
 from pipeline.servers.launch import start_server
@@ -114,9 +114,12 @@ class DemoRun:
         self.run_path.write_text("\n".join(lines) + "\n")
         return self.run_path
 
+    served_name: ClassVar[str] = "tiny-llama"
+    max_batch: ClassVar[int] = 32
+
     @contextlib.contextmanager
     def serve(self) -> Iterator[Path]:
-        argv = ["pipeline.servers.model", "--model", str(self.model_dir), "--name", "tiny-llama", "--max-batch", "32"]
+        argv = ["pipeline.servers.model", "--model", str(self.model_dir), "--name", self.served_name, "--max-batch", str(self.max_batch)]
         with start_server(argv, self.directory / "server.port", log_path=self.directory / "server.log") as port:
             yield self.write_run(port)
 
@@ -127,6 +130,8 @@ class RealDemoRun(DemoRun):
     (``pipeline/demo/real.py``), served by our own model server on this machine's CPU."""
 
     sharegpt: Path = Path()
+    served_name: ClassVar[str] = "SmolLM2-135M-Instruct"
+    max_batch: ClassVar[int] = 16
 
     def write_run(self, port: int) -> Path:
         text = f"""# eagleops demo --real: SmolLM2-135M-Instruct answers ShareGPT's questions, then every ML stage
@@ -142,7 +147,7 @@ top_p = 0.9
 
 [[endpoints]]
 base_url = "http://127.0.0.1:{port}/v1"
-model = "SmolLM2-135M-Instruct"
+model = "{self.served_name}"
 
 [[datasets]]
 name = "sharegpt"
@@ -175,12 +180,6 @@ draft_tokens = 3
 """
         self.run_path.write_text(text)
         return self.run_path
-
-    @contextlib.contextmanager
-    def serve(self) -> Iterator[Path]:
-        argv = ["pipeline.servers.model", "--model", str(self.model_dir), "--name", "SmolLM2-135M-Instruct", "--max-batch", "16"]
-        with start_server(argv, self.directory / "server.port", log_path=self.directory / "server.log") as port:
-            yield self.write_run(port)
 
 
 def prepare_real_demo(directory: Path, *, fresh: bool = False, log: Callable[[str], None] = lambda m: None) -> RealDemoRun:
