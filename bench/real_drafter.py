@@ -266,8 +266,11 @@ def train_specforge(work: Path, args: argparse.Namespace) -> None:
     side = SpecForgeSide(sf, drafter_config, target, vocab["d2t"], vocab["t2d"], sf_args, device, lr_scheduler="cosine", total_steps=total)
     folder = work / "specforge"
     folder.mkdir(exist_ok=True)
+    (work / "snapshots").mkdir(exist_ok=True)
     checkpoint, step = folder / "checkpoint.pt", 0
     if checkpoint.exists():
+        if not torch.distributed.is_initialized():  # its optimizer's load_state_dict asks for the rank to print
+            torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
         state = torch.load(checkpoint, weights_only=False)
         side.draft.load_state_dict(state["draft"])
         side.optimizer.load_state_dict(state["optimizer"])

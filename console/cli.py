@@ -10,6 +10,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from console import early_signals  # first of ours: it takes a headless run's signals at once
 from pipeline.config import load_run, parse_tokens
@@ -67,13 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     sources.add_argument("--dataset", action="append", metavar="NAME", help="only this dataset (repeatable)")
     sources.add_argument("--json", action="store_true", help="one JSON list, nothing rendered")
 
-    demo = sub.add_parser("demo", help="offline end-to-end run on a tiny local model")
-    demo.add_argument("--dir", type=Path, default=DEMO_DIR, help="where the demo keeps its files (--real: eagleops-demo-real)")
-    demo.add_argument("--fresh", action="store_true", help="discard the demo's earlier output and generate again")
-    demo.add_argument(
-        "--real", action="store_true", help="the real SmolLM2-135M-Instruct on the raw ShareGPT file (about 10 minutes on 2 cores)"
-    )
-    add_view_flags(demo)
+    add_view_flags(_demo_parser(sub))
 
     def add_socket(p: argparse.ArgumentParser) -> None:
         p.add_argument("--socket", type=Path, help="control socket of the run (default: the one running)")
@@ -104,6 +99,16 @@ def _parser() -> argparse.ArgumentParser:
     budget.add_argument("tokens")
     add_socket(budget)
     return parser
+
+
+def _demo_parser(sub: Any) -> argparse.ArgumentParser:
+    demo = sub.add_parser("demo", help="offline end-to-end run on a tiny local model (--real: on SmolLM2 and ShareGPT)")
+    demo.add_argument("--dir", type=Path, default=DEMO_DIR, help="where the demo keeps its files (--real: eagleops-demo-real)")
+    demo.add_argument("--fresh", action="store_true", help="discard the demo's earlier output and generate again")
+    demo.add_argument(
+        "--real", action="store_true", help="the real SmolLM2-135M-Instruct on the raw ShareGPT file (about 10 minutes on 2 cores)"
+    )
+    return demo
 
 
 def _die(message: str, code: int = 1) -> int:

@@ -2,7 +2,7 @@
 target and EAGLE-3.1 with MLA beside DeepSeek-V3.1 (its real MLA latent, which vLLM's CPU MLA
 takes) load under the config keys and weight names we export, and vLLM measures the acceptance
 our offline eval measured: the same drafter, computed alike. Where vLLM's CPU build cannot
-serve a pairing, the skip says why, in vLLM's words.
+serve a pairing, the test checks that vLLM still fails so, then skips saying why in vLLM's words.
 Needs $EAGLEOPS_VLLM_PYTHON (the python of a venv with vLLM; `.ci/run` makes one)."""
 
 from __future__ import annotations
@@ -14,34 +14,40 @@ import pytest
 from pipeline.training.context import StageContext
 
 from .conftest import run_stage
-from .test_vllm_zoo import REAL_LATENT, SECTIONS, _run_config, _write_the_targets_greedy_replies
+from .test_vllm_zoo import REAL_LATENT, SECTIONS, _drafting_failure, _run_config, _write_the_targets_greedy_replies, zoo_target
 from .vllm_support import VLLM_MARKS
-from .zoo.build import REAL_MLA_LATENT
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(900)]
 
 # An MLA drafter beside a Llama-attention target (and a Llama drafter beside an MLA target,
-# test_vllm_zoo.CANNOT_DRAFT) needs two KV-cache layouts, which vLLM's CPU build cannot mix
+# test_vllm_zoo.CANNOT_DRAFT) needs two KV-cache layouts, which vLLM's CPU build cannot mix: the
+# skip holds only while vLLM's start with the drafter still fails with these words
+NO_COMMON_BLOCK_SIZE = "No common block size for 128 (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])"
 MIXED_KV = (
-    "vLLM 0.32 CPU cannot hold an MLA drafter's KV cache beside a Llama-attention target's: 'No common block "
-    "size for 128 (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])' at KV cache setup (tried 2026-12-05)"
+    f"vLLM 0.32 CPU cannot hold an MLA drafter's KV cache beside a Llama-attention target's: '{NO_COMMON_BLOCK_SIZE}' at KV cache setup"
 )
-PAIRS = [
-    ("llama-3.1-8b-instruct", "eagle3.1"),
-    (REAL_LATENT, "mla3.1"),
-    pytest.param("llama-3.1-8b-instruct", "mla", marks=pytest.mark.skip(reason=MIXED_KV)),
-]
+CANNOT_SERVE = {("llama-3.1-8b-instruct", "mla"): MIXED_KV}
+PAIRS = [("llama-3.1-8b-instruct", "eagle3.1"), (REAL_LATENT, "mla3.1"), ("llama-3.1-8b-instruct", "mla")]
 
 
 @pytest.mark.parametrize(("target", "kind"), PAIRS)
 def test_vllm_serves_the_drafter_with_the_acceptance_measured_offline(tmp_path, zoo_model, target, kind):
     from pipeline.training.eval.stage import evaluate
 
-    model = zoo_model("deepseek-v3.1", REAL_MLA_LATENT) if target == REAL_LATENT else zoo_model(target)
-    config = _run_config(tmp_path, model, target, train={**SECTIONS["train"], "drafter": kind})
-    _write_the_targets_greedy_replies(config)
+    cannot = CANNOT_SERVE.get((target, kind))
+    # a drafter vLLM cannot serve has only to be exported: one epoch on the zoo's fixed chats
+    train = {**SECTIONS["train"], "drafter": kind, **({"epochs": 1} if cannot else {})}
+    config = _run_config(tmp_path, zoo_target(zoo_model, target), target, train=train)
+    if not cannot:
+        _write_the_targets_greedy_replies(config)
     for stage in ("prepare", "extract", "train", "export"):
         run_stage(config, stage)
+    if cannot:
+        failure = _drafting_failure(config)
+        assert NO_COMMON_BLOCK_SIZE in failure, (
+            f"vLLM no longer fails to serve {kind} beside {target} so; take it out of CANNOT_SERVE: {failure[-3000:]}"
+        )
+        pytest.skip(cannot)
     offline = run_stage(config, "eval")
     served = evaluate(config, StageContext("eval"), backend="vllm")
     print(json.dumps({"target": target, "drafter": kind, "offline": offline.to_json(), "served": served.to_json()}, indent=1))

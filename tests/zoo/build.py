@@ -49,6 +49,25 @@ TINY_SIZES: dict[str, Any] = {
 }
 # Checkpoint formats the tiny weights are not in: the stand-in is saved unquantized
 DROPPED_KEYS = ("quantization_config",)
+# A multimodal wrapper's vision tower (Kimi-K2.5's MoonViT) and projector, shrunk: head width 16
+# (vLLM's 2D rope splits it in four), two blocks. The real config names the tower's sizes in
+# its legacy ``vt_*`` keys only.
+TINY_VISION_SIZES: dict[str, Any] = {
+    "vt_hidden_size": 32,
+    "vt_intermediate_size": 64,
+    "vt_num_attention_heads": 2,
+    "vt_num_hidden_layers": 2,
+    "mm_hidden_size": 32,
+}
+# The names transformers' Kimi_K25VisionConfig (which vLLM uses for ``kimi_k25``) reads the
+# tower's sizes under; it ignores the ``vt_*`` keys, and its defaults are the real tower's sizes
+# (1152, 27, 16, 4304), so the real config needs none of these names and a shrunk one needs all.
+VISION_SIZE_NAMES = {
+    "hidden_size": "vt_hidden_size",
+    "intermediate_size": "vt_intermediate_size",
+    "num_attention_heads": "vt_num_attention_heads",
+    "num_hidden_layers": "vt_num_hidden_layers",
+}
 
 
 def real_config(target: str) -> dict[str, Any]:
@@ -61,7 +80,8 @@ def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
 
 
 # DeepSeek-V3's own MLA latent sizes (kv_lora_rank 512 + qk_rope_head_dim 64 = 576): vLLM's
-# MLA backends take only 320, 512 or 576 wide latent heads, so a stand-in vLLM serves keeps them
+# MLA takes latent heads 320, 512 or 576 wide, its CPU backend 576 alone, so a stand-in vLLM
+# serves keeps them
 REAL_MLA_LATENT = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 
 
@@ -82,14 +102,27 @@ def shrink(text: dict[str, Any], keep: dict[str, Any] | None = None) -> dict[str
     return tiny
 
 
+def shrink_vision(vision: dict[str, Any], text_hidden: int) -> dict[str, Any]:
+    """A vision config's sizes shrunk (the keys it has), plus the same sizes under the names
+    vLLM reads (``VISION_SIZE_NAMES``); the projector's output is the shrunk text width."""
+    tiny = {key: TINY_VISION_SIZES.get(key, value) for key, value in vision.items()}
+    if "text_hidden_size" in vision:
+        tiny["text_hidden_size"] = text_hidden
+    for name, legacy in VISION_SIZE_NAMES.items():
+        if legacy in vision:
+            tiny[name] = tiny[legacy]
+    return tiny
+
+
 def tiny_config(target: str, keep: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The real config.json with the text model's sizes shrunk (but those in ``keep``), the
-    structure untouched."""
+    """The real config.json with the text model's sizes shrunk (but those in ``keep``) and a
+    vision tower's, the structure untouched but for the vision sizes vLLM reads under other
+    names (``VISION_SIZE_NAMES``)."""
     config = copy.deepcopy(real_config(target))
     if "text_config" in config:
         config["text_config"] = shrink(config["text_config"], keep)
-        if "vision_config" in config and "text_hidden_size" in config["vision_config"]:
-            config["vision_config"]["text_hidden_size"] = TINY_HIDDEN
+        if "vision_config" in config:
+            config["vision_config"] = shrink_vision(config["vision_config"], config["text_config"]["hidden_size"])
         for key in DROPPED_KEYS:
             config.pop(key, None)
         return config
@@ -130,21 +163,40 @@ def _random_text_model(text: dict[str, Any]) -> Any:
     return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
-def _wrapper_extras(config: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal wrapper's own small tensors next to the language model's (Kimi-K2.5's
-    projector), so a weight map holds more than the decoder as the real one does."""
+def _vision_tensors(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal wrapper's own tensors beside its language model: Kimi-K2.5's vision tower
+    (MoonViT) and patch-merger projector, random, under the real checkpoint's names and in the
+    shapes vLLM builds from the (shrunk) config, so vLLM loads the whole model as it loads the
+    real one."""
     import torch
 
-    width = config["vision_config"]["mm_hidden_size"] // 64
+    vision = config["vision_config"]
+    if "vt_hidden_size" not in vision:
+        raise ValueError(f"{config['architectures']}: tiny weights are made for Kimi-K2.5's vision tower (MoonViT) only")
+    width, mlp, patch = vision["vt_hidden_size"], vision["vt_intermediate_size"], vision["patch_size"]
+    merged = width * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
     generator = torch.Generator().manual_seed(1)
-    return {
-        "mm_projector.pre_norm.weight": torch.ones(width, dtype=torch.bfloat16),
-        "mm_projector.pre_norm.bias": torch.zeros(width, dtype=torch.bfloat16),
-        "mm_projector.proj.0.weight": torch.randn(width * 4, width * 4, generator=generator).bfloat16(),
-        "mm_projector.proj.0.bias": torch.zeros(width * 4, dtype=torch.bfloat16),
-        "mm_projector.proj.2.weight": torch.randn(TINY_HIDDEN, width * 4, generator=generator).bfloat16(),
-        "mm_projector.proj.2.bias": torch.zeros(TINY_HIDDEN, dtype=torch.bfloat16),
+    shapes: dict[str, tuple[int, ...]] = {
+        "vision_tower.patch_embed.proj.weight": (width, 3, patch, patch),
+        "vision_tower.patch_embed.proj.bias": (width,),
+        "vision_tower.patch_embed.pos_emb.weight": (vision["init_pos_emb_height"], vision["init_pos_emb_width"], width),
+        "mm_projector.proj.0.weight": (merged, merged),
+        "mm_projector.proj.0.bias": (merged,),
+        "mm_projector.proj.2.weight": (config["text_config"]["hidden_size"], merged),
+        "mm_projector.proj.2.bias": (config["text_config"]["hidden_size"],),
     }
+    for block in range(vision["vt_num_hidden_layers"]):
+        prefix = f"vision_tower.encoder.blocks.{block}"
+        shapes.update({f"{prefix}.wqkv.weight": (3 * width, width), f"{prefix}.wqkv.bias": (3 * width,)})
+        shapes.update({f"{prefix}.wo.weight": (width, width), f"{prefix}.wo.bias": (width,)})
+        shapes.update({f"{prefix}.mlp.fc0.weight": (mlp, width), f"{prefix}.mlp.fc0.bias": (mlp,)})
+        shapes.update({f"{prefix}.mlp.fc1.weight": (width, mlp), f"{prefix}.mlp.fc1.bias": (width,)})
+    tensors = {name: (0.02 * torch.randn(shape, generator=generator)).bfloat16() for name, shape in shapes.items()}
+    norms = [f"vision_tower.encoder.blocks.{b}.norm{n}" for b in range(vision["vt_num_hidden_layers"]) for n in (0, 1)]
+    for norm in [*norms, "vision_tower.encoder.final_layernorm", "mm_projector.pre_norm"]:
+        tensors[f"{norm}.weight"] = torch.ones(width, dtype=torch.bfloat16)
+        tensors[f"{norm}.bias"] = torch.zeros(width, dtype=torch.bfloat16)
+    return tensors
 
 
 def _saved_tensors(model: Any, scratch_parent: Path) -> dict[str, Any]:
@@ -191,7 +243,8 @@ def build_tiny(target: str, dest: Path, keep: dict[str, Any] | None = None, pret
         # the wrapper's names: its language model under ``language_model.``, as the real weight
         # map has it (the names save_pretrained writes are the checkpoint's, not the in-memory ones)
         tensors = {f"language_model.{name}": t for name, t in _saved_tensors(model, dest).items()}
-        tensors.update(_wrapper_extras(config))
+        if "vision_config" in config:
+            tensors.update(_vision_tensors(config))
         save_sharded(tensors, dest)
     else:
         model.save_pretrained(str(dest), max_shard_size="16MB")

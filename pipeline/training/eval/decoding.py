@@ -54,8 +54,25 @@ class CachedTarget:
     def reset(self) -> None:
         self.cache, self.length = None, 0
 
+    def _new_cache(self) -> Any:
+        """A cache that can be cut back: sliding-window layers (gpt-oss) keep what they would
+        drop past the window until a crop says what stays (transformers 5's past recording);
+        None where this transformers builds its own (it then has no sliding layers to record)."""
+        try:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.stack.config)
+        except (ImportError, TypeError, ValueError):
+            return None
+        for layer in getattr(cache, "layers", ()):
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        return cache
+
     @torch.no_grad()
     def _forward(self, ids: Sequence[int], aux: bool) -> tuple[Any, list[int]]:
+        if self.cache is None:
+            self.cache = self._new_cache()
         n = len(ids)
         positions = torch.arange(self.length, self.length + n, device=self.device)[None, :]
         out = self.stack(

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -38,24 +40,69 @@ EXTENSION = "eagleops_vllm_capture"
 CAPTURE_FLAGS = ("--enforce-eager", "--no-enable-prefix-caching", "--no-enable-chunked-prefill")
 
 
-def _rpc(base_url: str, method: str, *args: str) -> list[Any]:
+# how vLLM's collective_rpc wraps a worker's exception: "Call to collective_rpc method failed:
+# Worker failed with error '<str(exc)>', please check the stack trace above for the root cause"
+# (multiprocess executor; the in-process one gives the exception's text alone after the colon)
+_RPC_FAILED = "Call to collective_rpc method failed: "
+_WORKER_FAILED = re.compile(r"^Worker failed with error '(?P<said>.*)', please check the stack trace", re.DOTALL)
+
+
+def vllm_said(body: bytes) -> str:
+    """What vLLM's error body (``{"error": {"message": ...}}``) says, a worker's own exception
+    unwrapped from collective_rpc's words."""
+    try:
+        message = str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace").strip()[:2000]
+    message = message.removeprefix(_RPC_FAILED)
+    worker = _WORKER_FAILED.match(message)
+    return f"a worker raised: {worker['said']}" if worker else message
+
+
+def vllm_failure(exc: Exception, what: str, log_path: Path) -> RunError:
+    """A failed request to vLLM as what vLLM said and where its log is, never a bare status."""
+    if isinstance(exc, urllib.error.HTTPError):
+        said = f"HTTP {exc.code}: {vllm_said(exc.read())}"
+    else:
+        said = str(getattr(exc, "reason", None) or exc)
+    return RunError(f"vLLM: {what} failed ({said}); its log: {log_path}")
+
+
+def _rpc(base_url: str, log_path: Path, method: str, *args: str) -> list[Any]:
     body = json.dumps({"method": method, "args": list(args)}).encode()
     request = urllib.request.Request(f"{base_url}/collective_rpc", data=body, headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return list(json.loads(response.read())["results"])
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return list(json.loads(response.read())["results"])
+    except (urllib.error.URLError, TimeoutError) as exc:  # an HTTPError is a URLError
+        raise vllm_failure(exc, f"collective_rpc {method}", log_path) from None
+
+
+def is_multimodal(model_dir: Path) -> bool:
+    """Whether vLLM serves ``model_dir`` as a multimodal model: its config.json has a vision
+    tower's config, or names a ``...ForConditionalGeneration`` wrapper of a ``text_config``."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():  # not a local checkpoint: nothing to tell by
+        return False
+    raw = json.loads(path.read_text())
+    wrapper = any(str(name).endswith("ForConditionalGeneration") for name in raw.get("architectures") or [])
+    return "vision_config" in raw or (wrapper and "text_config" in raw)
 
 
 def capture_launch(launch: VllmLaunch, ext_dir: Path, longest: int) -> VllmLaunch:
     """``launch`` with our capture extension on its path, eager (hooks need eager modules), no
     prefix cache (a cached prefix would not be computed, so not captured), no chunked prefill
     (each prompt's rows come in one forward, so ``assign_rows`` can tell the prompts apart), and
-    room for the ``longest`` prompt in one forward. Our flags come last, so they win."""
+    room for the ``longest`` prompt in one forward. A multimodal model is served as its language
+    model only: vLLM otherwise feeds it embeddings with no token ids, and those ids are how the
+    captured rows find their prompts. Our flags come last, so they win."""
     ext_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(vllm_capture.__file__, ext_dir / f"{EXTENSION}.py")
     extra = (
         "--worker-extension-cls",
         f"{EXTENSION}.HiddenStateCapture",
         *CAPTURE_FLAGS,
+        *(["--language-model-only"] if is_multimodal(launch.model) else []),
         "--max-model-len",
         str(longest + 1),
         "--max-num-batched-tokens",
@@ -69,9 +116,12 @@ def _capture_server(config: RunConfig, ctx: StageContext, longest: int) -> Any:
     if config.serve is None:  # checked when the run file was read
         raise RunError("extract backend vllm needs a [serve] table")
     launch = capture_launch(launch_for(config), config.output_dir / "servers" / "ext", longest)
-    log_path = config.output_dir / "servers" / "vllm-extract.log"
-    server = vllm_server(launch, log_path=log_path, log=ctx.log, startup_timeout_s=config.serve.startup_timeout_s, max_restarts=0)
+    server = vllm_server(launch, log_path=_log_path(config), log=ctx.log, startup_timeout_s=config.serve.startup_timeout_s, max_restarts=0)
     return launch, server
+
+
+def _log_path(config: RunConfig) -> Path:
+    return config.output_dir / "servers" / "vllm-extract.log"
 
 
 def assign_rows(tokens: Any, positions: Any, prompts: list[Any]) -> Any:
@@ -105,7 +155,7 @@ def assign_rows(tokens: Any, positions: Any, prompts: list[Any]) -> Any:
 
 
 def capture_shard(
-    base_url: str, model: str, chunk: list[Any], index: FeaturesIndex, dump: Path, ctx: StageContext
+    base_url: str, model: str, chunk: list[Any], index: FeaturesIndex, dump: Path, ctx: StageContext, log_path: Path
 ) -> tuple[list[int], Any, Any]:
     import torch
 
@@ -120,12 +170,15 @@ def capture_shard(
         while not done.done():
             ctx.checkpoint()
             wait([done], timeout=0.2)
-        done.result()
-    _rpc(base_url, "eagleops_capture_dump", str(dump))
+        try:
+            done.result()
+        except (urllib.error.URLError, TimeoutError) as exc:
+            raise vllm_failure(exc, "the shard's completions", log_path) from None
+    _rpc(base_url, log_path, "eagleops_capture_dump", str(dump))
     captured = vllm_capture.read_dump(dump)
     missing = [name for name in [*map(str, index.aux_layers), vllm_capture.FINAL, vllm_capture.TOKENS] if name not in captured]
     if missing:
-        raise RunError(f"vLLM captured no {', '.join(missing)} (see servers/vllm-extract.log)")
+        raise RunError(f"vLLM captured no {', '.join(missing)}; its log: {log_path}")
     order = torch.from_numpy(assign_rows(captured[vllm_capture.TOKENS].numpy(), captured[vllm_capture.POSITIONS].numpy(), prompts))
     # one thread for these copies: vLLM's processes hold the cores, and a team of torch threads
     # spinning against them made this gather slower than the shard's prefill (bench/RESULTS.md)
@@ -161,14 +214,15 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     launch, server = _capture_server(config, ctx, max((len(ids) for ids, _ in samples), default=1))
     with serving(server, ctx):
         ctx.log("info", f"extract: capturing layers {index.aux_layers} + final through vLLM on {server.base_url}")
-        _rpc(server.base_url, "eagleops_capture_start", json.dumps(index.aux_layers))
+        _rpc(server.base_url, _log_path(config), "eagleops_capture_start", json.dumps(index.aux_layers))
         for first, name in shards_to_do(index, out, len(samples), per):
             ctx.checkpoint()
             chunk = samples[first : first + per]
             if not room_for_shard(config, index, ctx, stalls, _shard_disk_bound(index, chunk)):
                 break
             t0 = time.perf_counter()
-            offsets, aux, final = capture_shard(server.base_url, launch.served_name, chunk, index, out / f"{name}.capture", ctx)
+            capture = out / f"{name}.capture"
+            offsets, aux, final = capture_shard(server.base_url, launch.served_name, chunk, index, capture, ctx, _log_path(config))
             rates.compute_s += time.perf_counter() - t0
             rates.fresh_tokens += offsets[-1]
             write_feature_shard(out, name, chunk, offsets, aux, final, first, index)

@@ -150,6 +150,29 @@ def _split(config: RunConfig, rows: list[dict[str, Any]], rng: random.Random) ->
     return rows[:n_eval], rows[n_eval:]
 
 
+def _report_differences(ctx: StageContext, builder: SampleBuilder, dropped: Counter[str], max_length: int, rows: int) -> None:
+    """What was left out and why, and where the server's ids and our rendering part."""
+    if dropped:
+        reasons = ", ".join(f"{n} {DROPPED_AS[why]}" for why, n in dropped.most_common())
+        ctx.log(
+            "warning",
+            f"prepare: left out {sum(dropped.values())} samples that train nothing: {reasons} ({max_length}); "
+            "`eagleops inspect RUN.toml` shows them",
+        )
+    if builder.prompt_mismatches:
+        ctx.log(
+            "warning",
+            f"prepare: {builder.prompt_mismatches} of {builder.served_prompts} prompts the server returned differ from the chat template's "
+            "rendering of their record; trained on the server's (eagleops inspect RUN.toml shows one)",
+        )
+    if builder.exact_mismatches:
+        ctx.log(
+            "warning",
+            f"prepare: {builder.exact_mismatches} of {rows} replies re-tokenise differently from the ids the server generated; "
+            "trained on the generated ids",
+        )
+
+
 def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
     target = require_target(config)
     out = config.prepared_dir
@@ -164,25 +187,8 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
     held_out, rows = _split(config, rows, rng)
     builder = sample_builder(config, tokenizer)
     samples, truncated, dropped = _tokenize_rows(builder, rows, config.prepare.max_length, ctx)
-    if dropped:
-        reasons = ", ".join(f"{n} {DROPPED_AS[why]}" for why, n in dropped.most_common())
-        ctx.log(
-            "warning",
-            f"prepare: left out {sum(dropped.values())} samples that train nothing: {reasons} ({config.prepare.max_length}); "
-            "`eagleops inspect RUN.toml` shows them",
-        )
-    if builder.prompt_mismatches:
-        ctx.log(
-            "warning",
-            f"prepare: {builder.prompt_mismatches} of {builder.served_prompts} prompts the server returned differ from the chat template's "
-            "rendering of their record; trained on the server's (eagleops inspect RUN.toml shows one)",
-        )
+    _report_differences(ctx, builder, dropped, config.prepare.max_length, len(rows))
     mismatches = builder.exact_mismatches
-    if mismatches:
-        ctx.log(
-            "warning",
-            f"prepare: {mismatches} of {len(rows)} replies re-tokenise differently from the ids the server generated; trained on the generated ids",
-        )
     for extra in config.prepare.extra:
         samples += read_extra(extra, config.prepare.max_length)
     if config.prepare.extra:
