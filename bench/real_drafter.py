@@ -78,7 +78,7 @@ model = "{model}"
 [serve]
 python = "{python}"
 max_model_len = {args.max_length + 8}
-cpus = "1"
+{'cpus = "1"' if stages == ["generate"] else "# every core: no client of ours needs one while it prefills or decodes one at a time"}
 extra_args = ["--optimization-level", "0", "--max-num-seqs", "{args.concurrency}"]
 env = {{ VLLM_CPU_KVCACHE_SPACE = "4" }}
 startup_timeout_s = 900
@@ -90,6 +90,7 @@ eval_fraction = 0.01
 eval_max = 20
 
 [extract]
+backend = "{args.extract_backend}"
 shard_samples = 128
 
 [train]
@@ -379,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=768)
     parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--draft-vocab", type=int, default=16000, help="of SmolLM2's 49,152 (32k is two thirds of it)")
+    parser.add_argument("--extract-backend", choices=("hf", "vllm"), default="vllm", help="vllm: captured as vLLM (bf16) serves it")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=0, help="train: stop at this step (0: the epochs)")
     parser.add_argument("--lr", type=float, default=1e-3)

@@ -399,6 +399,24 @@ class OursSide(Side):
         with _autocast(self.device):
             self.objective(batch)
 
+    def logits(self, batch) -> list:
+        """Every position's draft logits at each TTT step (the objective applies the head only
+        to the rows its loss reads, so they are computed here step by step, as it runs them)."""
+        from pipeline.training.modeling.blocks import DraftCache
+
+        drafter, (ids, lengths) = self.drafter, (batch["input_ids"], batch["lengths"])
+        t = ids.shape[1]
+        positions = torch.arange(t, device=ids.device)
+        padding, cache, out = positions[None, :] < lengths[:, None], DraftCache.empty(), []
+        with torch.no_grad(), _autocast(self.device):
+            hidden = drafter.fuse(batch["aux"])
+            for step in range(self.objective.ttt_length):
+                tokens = torch.zeros_like(ids)
+                tokens[:, : t - 1 - step] = ids[:, 1 + step :]
+                hidden, logits = drafter.step(hidden, tokens, positions, step, cache, padding)
+                out.append(logits.detach().float())
+        return out
+
 
 # ---- measuring ---------------------------------------------------------------------------------
 def _sync(device) -> None:

@@ -311,7 +311,7 @@ def test_speculative_decoding_stops_on_any_of_the_replys_stop_ids():
         def reset(self):
             self.length = 0
 
-        def feed(self, ids):
+        def feed(self, ids, last_only=False):
             start, self.length = self.length, self.length + len(ids)
             greedy = [script[min(max(p - 1, 0), len(script) - 1)] for p in range(start, self.length)]
             return torch.zeros(1, len(ids), 12), greedy

@@ -70,7 +70,7 @@ class CachedTarget:
         return cache
 
     @torch.no_grad()
-    def _forward(self, ids: Sequence[int], aux: bool) -> tuple[Any, list[int]]:
+    def _forward(self, ids: Sequence[int], aux: bool, last_only: bool = False) -> tuple[Any, list[int]]:
         if self.cache is None:
             self.cache = self._new_cache()
         n = len(ids)
@@ -84,17 +84,18 @@ class CachedTarget:
         )
         self.cache = getattr(out, "cache", None) or out.past_key_values  # the same object, updated in place, after the first
         self.length += n
-        return out, self.head(out.last_hidden_state)[0].argmax(-1).tolist()
+        last = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state  # a prompt's head: its last row alone
+        return out, self.head(last)[0].argmax(-1).tolist()
 
-    def feed(self, ids: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+    def feed(self, ids: Sequence[int], *, last_only: bool = False) -> tuple[torch.Tensor, list[int]]:
         """Runs ``ids`` after what the cache holds: (their auxiliary hidden states [1, n, 3H] in
-        fp32, the target's greedy next token after each of them)."""
-        out, greedy = self._forward(ids, aux=True)
+        fp32, the target's greedy next token after each of them, or after the last alone)."""
+        out, greedy = self._forward(ids, aux=True, last_only=last_only)
         return torch.cat([out.hidden_states[i] for i in self.hidden_ids], dim=-1).float(), greedy
 
-    def next_tokens(self, ids: Sequence[int]) -> list[int]:
-        """``feed`` without the hidden states."""
-        return self._forward(ids, aux=False)[1]
+    def next_token(self, ids: Sequence[int]) -> int:
+        """The target's greedy token after ``ids`` (fed after what the cache holds)."""
+        return self._forward(ids, aux=False, last_only=True)[1][-1]
 
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on (drafts the target did not accept)."""
@@ -113,12 +114,12 @@ def _until_stop(tokens: list[int], stops: Collection[int]) -> list[int]:
 def greedy_generate(target: CachedTarget, prompt: Sequence[int], max_new_tokens: int, stops: Collection[int]) -> list[int]:
     """The target's own greedy reply to ``prompt``, its stop token left out."""
     target.reset()
-    token, generated = target.next_tokens(prompt)[-1], list[int]()
+    token, generated = target.next_token(prompt), list[int]()
     while len(generated) < max_new_tokens and token not in stops:
         generated.append(token)
         if len(generated) == max_new_tokens:
             break
-        token = target.next_tokens([token])[-1]
+        token = target.next_token([token])
     return generated
 
 
@@ -128,7 +129,7 @@ def speculative_generate(
     """(generated ids, drafts accepted at each verify step). ``stops``: every id that ends the
     target's reply (``reply_stop_ids``: its turn end, not only the tokenizer's eos)."""
     target.reset()
-    aux, greedy = target.feed(prompt)
+    aux, greedy = target.feed(prompt, last_only=True)
     pending = greedy[-1]  # the target's next token, not yet in its cache
     session = drafter.session()
     session.extend(aux, [*prompt[1:], pending])
