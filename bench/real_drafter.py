@@ -354,6 +354,64 @@ def evaluate(work: Path, args: argparse.Namespace) -> None:
         record(work, phase="eval", trainer=args.trainer, step=step, wall_s=round(time.monotonic() - started, 1), **result.to_json())
 
 
+def differences(work: Path, args: argparse.Namespace) -> None:
+    """Why outputs with the drafter differ from plain decoding's (``eval-differences.jsonl``):
+    at the first token where they part, the target's own top two logits after the shared prefix
+    (transformers, fp32 and bf16). Rounding flips only near-ties: a gap of a few bf16 steps."""
+    import torch
+
+    from pipeline.training.eval.stage import _held_out_prompts, _prompt_ids, _work  # noqa: F401  (the prompts, as eval built them)
+    from pipeline.training.modeling.target import load_target_tokenizer
+
+    config = _config(work, args)
+    path = config.output_dir / "eval-differences.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()][: args.prompts_checked]
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_target_tokenizer(config.target)
+    models = {
+        dtype: AutoModelForCausalLM.from_pretrained(str(config.target.model), dtype=dtype).eval()
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    prompts = _prompts_by_set(config, tokenizer)
+    gaps = []
+    for row in rows:
+        prompt = prompts[row["benchmark"]][row["output"]]
+        if prompt is None:  # a later turn: its prompt holds the answer before it, which differed
+            continue
+        shared = prompt + row["plain"][: row["first_difference"]]
+        picks = (row["speculative"][row["first_difference"]], row["plain"][row["first_difference"]])
+        line = {"benchmark": row["benchmark"], "output": row["output"], "at": row["first_difference"]}
+        for dtype, model in models.items():
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([shared])).logits[0, -1].float()
+            top = logits.topk(2)
+            line[str(dtype).split(".")[-1]] = {"top2_gap": round(float(top.values[0] - top.values[1]), 5),
+                                               "picks_logits": [round(float(logits[t]), 4) for t in picks], "argmax": int(top.indices[0])}  # fmt: skip
+        gaps.append(line)
+        print(json.dumps(line), flush=True)
+    record(work, phase="differences", checked=len(gaps), rows=gaps)
+
+
+def _prompts_by_set(config, tokenizer) -> dict[str, list[list[int] | None]]:
+    """Every set's prompts in eval's order; None for a multi-turn question's later turns (their
+    prompt holds the target's earlier answer, which is what differed: not checked here)."""
+    from pipeline.training.context import StageContext
+    from pipeline.training.eval.stage import _work
+
+    prompts: dict[str, list[list[int] | None]] = {}
+    for name, _, run in _work(config, StageContext("eval"), tokenizer, config.thinking):
+        seen: list[list[int]] = []
+
+        def collect(prompt: list[int], seen: list[list[int]] = seen) -> list[int]:
+            seen.append(prompt)
+            return []
+
+        run(collect)
+        prompts[name] = [None if i and p[: len(seen[i - 1])] == seen[i - 1] else p for i, p in enumerate(seen)]
+    return prompts
+
+
 def report(work: Path) -> None:
     """The served acceptance per benchmark, each trainer's latest eval at each step."""
     rows: dict[tuple[str, int, str], dict] = {}
@@ -373,7 +431,7 @@ def report(work: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("phase", choices=("generate", "features", "train", "eval", "report"))
+    parser.add_argument("phase", choices=("generate", "features", "train", "eval", "differences", "report"))
     parser.add_argument("--dir", type=Path, default=ROOT / "bench" / "_work" / "real")
     parser.add_argument("--budget", default="300k", help="completion tokens to generate (default 300k)")
     parser.add_argument("--kill-after", type=float, default=0.0, help="generate: SIGKILL the run after this many seconds")
@@ -389,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128, help="eval: tokens per answer")
     parser.add_argument("--trainer", choices=("ours", "specforge"), default="ours")
     parser.add_argument("--step", type=int, default=0, help="eval: the snapshot at this step (default the latest)")
+    parser.add_argument("--prompts-checked", type=int, default=20, help="differences: how many to look at")
     args = parser.parse_args(argv)
     work = args.dir.resolve()
     if args.phase == "generate":
@@ -399,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         (train_ours if args.trainer == "ours" else train_specforge)(work, args)
     elif args.phase == "eval":
         evaluate(work, args)
+    elif args.phase == "differences":
+        differences(work, args)
     else:
         report(work)
     return 0

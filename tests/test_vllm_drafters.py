@@ -14,7 +14,7 @@ import pytest
 from pipeline.training.context import StageContext
 
 from .conftest import run_stage
-from .test_vllm_zoo import REAL_LATENT, SECTIONS, _drafting_failure, _run_config, _write_the_targets_greedy_replies, zoo_target
+from .test_vllm_zoo import KIMI, REAL_LATENT, SECTIONS, _drafting_failure, _run_config, _write_the_targets_greedy_replies, zoo_target
 from .vllm_support import VLLM_MARKS
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(900)]
@@ -27,7 +27,7 @@ MIXED_KV = (
     f"vLLM 0.32 CPU cannot hold an MLA drafter's KV cache beside a Llama-attention target's: '{NO_COMMON_BLOCK_SIZE}' at KV cache setup"
 )
 CANNOT_SERVE = {("llama-3.1-8b-instruct", "mla"): MIXED_KV}
-PAIRS = [("llama-3.1-8b-instruct", "eagle3.1"), (REAL_LATENT, "mla3.1"), ("llama-3.1-8b-instruct", "mla")]
+PAIRS = [("llama-3.1-8b-instruct", "eagle3.1"), (REAL_LATENT, "mla3.1"), (KIMI, "mla3.1"), ("llama-3.1-8b-instruct", "mla")]
 
 
 @pytest.mark.parametrize(("target", "kind"), PAIRS)
