@@ -349,10 +349,22 @@ def _wait(condition: Callable[[], object], timeout_s: float) -> bool:
     return True
 
 
-def _kill_tether(out_dir: Path) -> bool:
+def _tether_record(out_dir: Path, engine_pid: int) -> dict | None:
+    """The record of the server group ``engine_pid`` started, once it has written it: the server
+    may be up a moment before its engine records it (an older run's record is not this one)."""
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads((out_dir / "servers" / "vllm-generate.pid.json").read_text())
+        if isinstance(record, dict) and record.get("owner", {}).get("pid") == engine_pid:
+            return record
+    return None
+
+
+def _kill_tether(out_dir: Path, engine_pid: int) -> bool:
     """SIGKILL the tether leading the server's group, as its record names it (pid and start time)."""
     try:
-        record = json.loads((out_dir / "servers" / "vllm-generate.pid.json").read_text())
+        record = _tether_record(out_dir, engine_pid)
+        if record is None:
+            return False
         tether = psutil.Process(record["pid"])
         if abs(tether.create_time() - record["started"]) < 0.01:
             tether.kill()
@@ -381,11 +393,15 @@ def _server_round(
             result.problems.append(f"round {result.rounds}: the server never started")
         else:
             time.sleep(rng.uniform(0.2, 1.5))
+            if mode == "with tether" and not _wait(lambda: _tether_record(run.parent / "out", engine.pid), 10):
+                result.problems.append(f"round {result.rounds}: the server's group was never recorded")
         if engine.poll() is not None:
             result.problems.append(f"round {result.rounds}: eagleops exited by itself ({engine.returncode})")
         else:
             os.kill(engine.pid, signal.SIGKILL)  # eagleops alone, as `kill -9 PID` does
-            tether_killed = mode == "with tether" and _kill_tether(run.parent / "out")
+            tether_killed = mode == "with tether" and _kill_tether(run.parent / "out", engine.pid)
+            if mode == "with tether" and not tether_killed:
+                result.problems.append(f"round {result.rounds}: the tether was not found to kill")
             result.kills += 1
             engine.wait()
     finally:
