@@ -4,8 +4,8 @@ vLLM serves each on MT-Bench (80 questions, both turns), GSM8K and HumanEval.
 
     python bench/real_drafter.py generate [--budget 300k] [--kill-after S]   # resumable: run it again
     python bench/real_drafter.py features                                     # prepare + extract
-    python bench/real_drafter.py train --trainer ours|specforge [--steps N]   # resumable
-    python bench/real_drafter.py eval --trainer ours|specforge [--step N]     # vLLM: with the drafter, then plain
+    python bench/real_drafter.py train --trainer ours|specforge [--stop-at N] # resumable
+    python bench/real_drafter.py eval --trainer ours|specforge [--step N] [--prompts N]  # vLLM: with the drafter, then plain
     python bench/real_drafter.py report                                       # the tables, from what is measured
 
 Everything lives in ``bench/_work/real`` (``--dir``): the run file this script writes, eagleops'
@@ -105,7 +105,7 @@ log_every = 10
 
 [eval]
 backend = "vllm"
-prompts = {MT_BENCH_PROMPTS}
+prompts = {args.prompts or MT_BENCH_PROMPTS}
 max_new_tokens = {args.new_tokens}
 draft_tokens = 3
 [[eval.benchmarks]]
@@ -116,12 +116,12 @@ format = "mt-bench"
 name = "GSM8K"
 path = "{DATA / "gsm8k_test_first100.jsonl"}"
 format = "gsm8k"
-prompts = {GSM8K_PROMPTS}
+prompts = {args.prompts or GSM8K_PROMPTS}
 [[eval.benchmarks]]
 name = "HumanEval"
 path = "{humaneval}"
 format = "humaneval"
-prompts = {HUMANEVAL_PROMPTS}
+prompts = {args.prompts or HUMANEVAL_PROMPTS}
 """
     path = work / ("generate.toml" if stages == ["generate"] else "run.toml")
     work.mkdir(parents=True, exist_ok=True)
@@ -278,14 +278,16 @@ def train_specforge(work: Path, args: argparse.Namespace) -> None:
         step = state["step"]
     keep = set(_curve_steps(total, tc.checkpoint_every))
     started, cpu, first, losses = time.monotonic(), os.times(), step, []
-    while step < total:
+    stop = min(total, args.stop_at or total)  # the schedule stays the whole run's: stopped early, not shortened
+    keep.add(stop)
+    while step < stop:
         epoch, within = divmod(step, per_epoch)
         chunk = shuffled_order(len(features), tc.seed, epoch)[within * tc.batch_size : (within + 1) * tc.batch_size]  # ours, exactly
         losses.append(side.step(collate([features[i] for i in chunk], device, torch.float32)))
         step += 1
         if step % tc.log_every == 0:
             print(f"specforge step {step}/{total} loss {sum(losses[-tc.log_every :]) / tc.log_every:.4f}", flush=True)
-        if step % tc.checkpoint_every == 0 or step == total:
+        if step % tc.checkpoint_every == 0 or step == stop:
             torch.save({"draft": side.draft.state_dict(), "optimizer": side.optimizer.state_dict(), "step": step}, checkpoint)
             if step in keep:
                 torch.save(
@@ -442,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extract-backend", choices=("hf", "vllm"), default="vllm", help="vllm: captured as vLLM (bf16) serves it")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=0, help="train: stop at this step (0: the epochs)")
+    parser.add_argument("--stop-at", type=int, default=0, help="train specforge: stop at this step, its schedule the whole run's")
+    parser.add_argument("--prompts", type=int, default=0, help="eval: questions per benchmark (default 80 each)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ttt", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128, help="eval: tokens per answer")
