@@ -350,6 +350,8 @@ def evaluate(work: Path, args: argparse.Namespace) -> None:
     drafter = _exported(work, args, args.trainer, step)
     ctx = StageContext("eval")
     work_sets = [w for w in _work(config, ctx, load_target_tokenizer(config.target), config.thinking) if w[0] != "held-out"]
+    if args.benchmarks:
+        work_sets = [w for w in work_sets if w[0] in args.benchmarks]
     started = time.monotonic()
     results = evaluate_served(config, ctx, work_sets, drafter)
     for result in results:
@@ -416,18 +418,18 @@ def _prompts_by_set(config, tokenizer) -> dict[str, list[list[int] | None]]:
 
 def report(work: Path) -> None:
     """The served acceptance per benchmark, each trainer's latest eval at each step."""
-    rows: dict[tuple[str, int, str], dict] = {}
+    rows: dict[tuple[str, int, str, int], dict] = {}
     for line in (work / "results.jsonl").read_text().splitlines():
         entry = json.loads(line)
         if entry.get("phase") == "eval":
-            rows[entry["trainer"], entry["step"], entry["benchmark"]] = entry
+            rows[entry["trainer"], entry["step"], entry["benchmark"], entry["outputs"]] = entry
     print(
-        f"{'trainer':10s} {'step':>6s} {'benchmark':10s} {'accept':>7s} {'p1':>5s} {'p2':>5s} {'p3':>5s} {'tok/s':>6s} {'plain':>6s} {'speedup':>7s} {'differ':>7s}"
+        f"{'trainer':10s} {'step':>6s} {'benchmark':10s} {'n':>4s} {'accept':>7s} {'p1':>5s} {'p2':>5s} {'p3':>5s} {'tok/s':>6s} {'plain':>6s} {'speedup':>7s} {'differ':>7s}"
     )
-    for (trainer, step, bench), r in sorted(rows.items()):
+    for (trainer, step, bench, n), r in sorted(rows.items()):
         rates = (r["acceptance_rate_per_position"] + [0.0] * 3)[:3]
         speedup = r["tok_per_s"] / r["tok_per_s_without_drafter"] if r.get("tok_per_s_without_drafter") else 0.0
-        print(f"{trainer:10s} {step:6d} {bench:10s} {r['acceptance_length']:7.3f} {rates[0]:5.2f} {rates[1]:5.2f} {rates[2]:5.2f} "
+        print(f"{trainer:10s} {step:6d} {bench:10s} {n:4d} {r['acceptance_length']:7.3f} {rates[0]:5.2f} {rates[1]:5.2f} {rates[2]:5.2f} "
               f"{r['tok_per_s']:6.1f} {r['tok_per_s_without_drafter']:6.1f} {speedup:6.2f}x {r['greedy_mismatches']:3d}/{r['outputs']:<3d}")  # fmt: skip
 
 
@@ -445,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=0, help="train: stop at this step (0: the epochs)")
     parser.add_argument("--stop-at", type=int, default=0, help="train specforge: stop at this step, its schedule the whole run's")
+    parser.add_argument("--benchmarks", nargs="+", default=(), help="eval: only these (MT-Bench GSM8K HumanEval)")
     parser.add_argument("--prompts", type=int, default=0, help="eval: questions per benchmark (default 80 each)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--ttt", type=int, default=4)
