@@ -106,7 +106,7 @@ def _demo_parser(sub: Any) -> argparse.ArgumentParser:
     demo.add_argument("--dir", type=Path, default=DEMO_DIR, help="where the demo keeps its files (--real: eagleops-demo-real)")
     demo.add_argument("--fresh", action="store_true", help="discard the demo's earlier output and generate again")
     demo.add_argument(
-        "--real", action="store_true", help="the real SmolLM2-135M-Instruct on the raw ShareGPT file (about 10 minutes on 2 cores)"
+        "--real", action="store_true", help="the real SmolLM2-135M-Instruct on the raw ShareGPT file (17.5 minutes on 2 busy cores)"
     )
     return demo
 
