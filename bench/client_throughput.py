@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.config import parse_run
-from pipeline.engine import Engine
-from pipeline.generate.store import MANIFEST_VERSION, DatasetStore, source_fingerprint
-from pipeline.servers.launch import start_server
+from eagleops.pipeline.config import parse_run
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.generate.store import MANIFEST_VERSION, DatasetStore, source_fingerprint
+from eagleops.pipeline.servers.launch import start_server
 
 
 def _prompts(path: Path, n: int) -> Path:
@@ -152,7 +152,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="eagleops-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = []
-    with start_server(["pipeline.servers.fault", "--tokens", "32"], work / "port", log_path=work / "server.log") as port:
+    with start_server(["eagleops.pipeline.testservers.fault", "--tokens", "32"], work / "port", log_path=work / "server.log") as port:
         base_url = f"http://127.0.0.1:{port}/v1"
         asyncio.run(_sdk(base_url, 200, 16))  # warm both paths once
         asyncio.run(_ours(base_url, work, 200, 16))

@@ -28,7 +28,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.servers.launch import start_server
+from eagleops.pipeline.servers.launch import start_server
 
 
 def _run_file(work: Path, base_url: str, name: str) -> Path:
@@ -59,7 +59,7 @@ def _find_child(marker: str, headless: bool, timeout: float = 30) -> psutil.Proc
     while time.monotonic() < deadline:
         for proc in psutil.process_iter(["cmdline"]):
             cmd = proc.info["cmdline"] or []
-            if any(marker in part for part in cmd) and "console.cli" in cmd and ("--no-tui" in cmd) == headless:
+            if any(marker in part for part in cmd) and "eagleops" in cmd and ("--no-tui" in cmd) == headless:
                 return proc
         time.sleep(0.1)
     raise RuntimeError(f"process with {marker} not found")
@@ -82,7 +82,7 @@ def _cpu_over(procs: list[psutil.Process], seconds: float, on_start=lambda: None
 def measure_headless(work: Path, base_url: str, seconds: float) -> float:
     run = _run_file(work, base_url, "headless")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"],
+        [sys.executable, "-m", "eagleops", "run", str(run), "--no-tui"],
         env=_env(work),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -103,7 +103,7 @@ def measure_tui(work: Path, base_url: str, seconds: float, presses: int) -> tupl
     run = _run_file(work, base_url, "tui")
     session = f"eobench{os.getpid()}"
     env = " ".join(f"{k}={v}" for k, v in _env(work).items() if k in ("EAGLEOPS_GPU_READER", "EAGLEOPS_RUNTIME_DIR", "PYTHONPATH"))
-    _tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "40", f"cd {ROOT} && {env} {sys.executable} -m console.cli run {run}")
+    _tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "40", f"cd {ROOT} && {env} {sys.executable} -m eagleops run {run}")
     wire = work / "wire.bin"
     try:
         engine, console = _find_child(str(run), headless=True), _find_child(str(run), headless=False)
@@ -137,7 +137,7 @@ def measure_tui(work: Path, base_url: str, seconds: float, presses: int) -> tupl
         _tmux("send-keys", "-t", session, "q")  # detaches; the engine goes on until killed
         time.sleep(1)
         _tmux("kill-session", "-t", session)
-        subprocess.run([sys.executable, "-m", "console.cli", "kill"], env=_env(work), capture_output=True)
+        subprocess.run([sys.executable, "-m", "eagleops", "kill"], env=_env(work), capture_output=True)
         time.sleep(2)
 
 
@@ -148,7 +148,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="eagleops-console-"))
     try:
-        server = ["pipeline.servers.fault", "--tokens", "200", "--fault-rate", "0.02"]
+        server = ["eagleops.pipeline.testservers.fault", "--tokens", "200", "--fault-rate", "0.02"]
         with start_server(server, work / "port", log_path=work / "server.log") as port:
             base_url = f"http://127.0.0.1:{port}/v1"
             headless = measure_headless(work, base_url, args.seconds)

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.console_overhead import _env, _run_file
-from pipeline.servers.launch import start_server
+from eagleops.pipeline.servers.launch import start_server
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 _MOVE = re.compile(rb"\x1b\[(\d+);(\d+)H")
@@ -123,19 +123,19 @@ def main() -> None:
     columns, rows = (int(x) for x in args.size.split("x"))
     work = Path(tempfile.mkdtemp(prefix="eagleops-wire-"))
     env = _env(work)
-    server = ["pipeline.servers.fault", "--tokens", "200", "--fault-rate", "0.02"]
+    server = ["eagleops.pipeline.testservers.fault", "--tokens", "200", "--fault-rate", "0.02"]
     with start_server(server, work / "port", log_path=work / "server.log") as port:
         run = _run_file(work, f"http://127.0.0.1:{port}/v1", "wire")
-        engine = subprocess.Popen([sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"], env=env,
+        engine = subprocess.Popen([sys.executable, "-m", "eagleops", "run", str(run), "--no-tui"], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         reader = None
         try:
             time.sleep(3)
             sockets = list((work / "rt").rglob("*.sock"))
-            reader = PtyReader([sys.executable, "-m", "console.cli", "attach", str(sockets[0])], env, columns, rows)
+            reader = PtyReader([sys.executable, "-m", "eagleops", "attach", str(sockets[0])], env, columns, rows)
             time.sleep(5)  # imports, first paint
             busy = measure(reader, args.seconds)
-            subprocess.run([sys.executable, "-m", "console.cli", "pause", "--socket", str(sockets[0])], env=env, capture_output=True)
+            subprocess.run([sys.executable, "-m", "eagleops", "pause", "--socket", str(sockets[0])], env=env, capture_output=True)
             time.sleep(3)
             idle = measure(reader, args.seconds / 3)  # the same console, nothing moving but the clock
         finally:

@@ -9,7 +9,7 @@ on a shared 2-core box is). Each contended variant is a ratio against the quiet 
 variant, measured in the same round:
 
 * ``torch default``: torch's own thread count (one per core the process may use);
-* ``eagleops``: what ``pipeline.cpus.torch_threads()`` picks at start (cores we get minus what
+* ``eagleops``: what ``eagleops.pipeline.cpus.torch_threads()`` picks at start (cores we get minus what
   other processes are using now);
 * ``passive wait``: torch's default count with ``OMP_WAIT_POLICY=PASSIVE`` (no spinning at
   OpenMP barriers).
@@ -36,7 +36,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "eagleops":
-    from pipeline.cpus import apply_torch_threads
+    from eagleops.pipeline.cpus import apply_torch_threads
     apply_torch_threads()
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-from pipeline.config import DRAFTERS
+from eagleops.pipeline.config import DRAFTERS
 
 ZOO = ("deepseek-v3.1", "kimi-k2.5")
 TARGETS = ("demo", "demo-deepseek", *ZOO, *(f"{t}-random" for t in ZOO))
@@ -50,7 +50,7 @@ REMOTE_CODE = {"kimi-k2.5"}  # its tokenizer is the model's own code
 
 
 def _cli(*args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "console.cli", *args], env=ENV, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "eagleops", *args], env=ENV, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"eagleops {' '.join(args)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
@@ -62,8 +62,8 @@ def _demo(folder: Path) -> None:
 
 def _demo_deepseek(folder: Path) -> None:
     """The demo's pipeline on a DeepSeek-V3-shaped tiny target, served by the same model server."""
-    from pipeline.demo.demo import TINY_PRETRAIN_STEPS, DemoRun, write_demo_datasets
-    from pipeline.demo.tinymodel import build_tiny_model
+    from eagleops.pipeline.demo.demo import TINY_PRETRAIN_STEPS, DemoRun, write_demo_datasets
+    from eagleops.pipeline.demo.tinymodel import build_tiny_model
 
     if (folder / "out" / "features").exists():
         return
@@ -79,8 +79,8 @@ def _pretrain(model, files: Path, *, remote_code: bool) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from pipeline.demo.demo import TINY_PRETRAIN_STEPS
-    from pipeline.demo.tinymodel import _pretrain as pretrain_demo
+    from eagleops.pipeline.demo.demo import TINY_PRETRAIN_STEPS
+    from eagleops.pipeline.demo.tinymodel import _pretrain as pretrain_demo
 
     # only where the tokenizer is the model's own code: DeepSeek's config names code the zoo does not ship
     tokenizer = AutoTokenizer.from_pretrained(str(files), trust_remote_code=remote_code)

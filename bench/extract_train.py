@@ -25,14 +25,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from pipeline.config import parse_run
-from pipeline.demo.demo import TINY_PRETRAIN_STEPS
-from pipeline.demo.tinymodel import build_tiny_model, sample_text
-from pipeline.training.artifacts import load_prepared
-from pipeline.training.context import StageContext
-from pipeline.training.extract.hf import length_batches, pad_batch
-from pipeline.training.modeling.target import load_target
-from pipeline.training.prepare.stage import prepare
+from eagleops.pipeline.config import parse_run
+from eagleops.pipeline.demo.demo import TINY_PRETRAIN_STEPS
+from eagleops.pipeline.demo.tinymodel import build_tiny_model, sample_text
+from eagleops.pipeline.training.artifacts import load_prepared
+from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.extract.hf import length_batches, pad_batch
+from eagleops.pipeline.training.modeling.target import load_target
+from eagleops.pipeline.training.prepare.stage import prepare
 
 
 def _conversations(path: Path, n: int) -> None:
@@ -73,9 +73,9 @@ def main() -> None:
         index, samples = load_prepared(config.prepared_dir)
         tokens = index.tokens
 
-        from pipeline.training.stages import stage_functions
+        from eagleops.pipeline.training.stages import stage_function
 
-        extract = stage_functions()["extract"]
+        extract = stage_function("extract")
         t0 = time.perf_counter()
         features_index = extract(config, StageContext("extract"))
         extract_s = time.perf_counter() - t0
@@ -124,7 +124,7 @@ def main() -> None:
         first_shard = features_index.shards["shard-00000.safetensors"]
         ours_bpt = first_shard.bytes / first_shard.tokens
 
-        summary = stage_functions()["train"](config, StageContext("train"))
+        summary = stage_function("train")(config, StageContext("train"))
         mean_len = tokens / len(samples)
     finally:
         shutil.rmtree(work, ignore_errors=True)

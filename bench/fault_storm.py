@@ -55,8 +55,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.servers.launch import start_server
-from pipeline.servers.supervisor import free_port
+from eagleops.pipeline.servers.launch import start_server
+from eagleops.pipeline.servers.supervisor import free_port
 
 SECRET = "sk-storm-6f1d2c3b4a5e-do-not-leak"
 BUDGET_C, CONCURRENCY, MAX_TOKENS = 4000, 24, 64
@@ -175,7 +175,7 @@ def _start(run: Path, log: Path, few_fds: bool) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), KEY_ENV: SECRET}
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"],
+            [sys.executable, "-m", "eagleops", "run", str(run), "--no-tui"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -235,7 +235,7 @@ def run_storm(workdir: Path, *, kills: int, seed: int = 1, rows_per_kill: int = 
     started = time.monotonic()
     sources = _sources(workdir, max(200, kills * rows_per_kill))
     log = workdir / "runs.log"
-    server_argv = ["pipeline.servers.fault", "--tokens", "7", "--latency", "0.25", "--fault-rate", "0.1", "--seed", str(seed)]
+    server_argv = ["eagleops.pipeline.testservers.fault", "--tokens", "7", "--latency", "0.25", "--fault-rate", "0.1", "--seed", str(seed)]
     with start_server(server_argv, workdir / "port", log_path=workdir / "server.log") as port, _tmpfs(workdir / "disk", "16m") as on_tmpfs:
         out_dir = (workdir / "disk" if on_tmpfs else workdir) / "out"
         run = _run_file(workdir, out_dir, f"http://127.0.0.1:{port}/v1", f"http://127.0.0.1:{free_port()}/v1", sources)

@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-from pipeline.training.features.shards import CODECS, Int8
-from pipeline.training.modeling.target import head_and_embeddings
+from eagleops.pipeline.training.features.shards import CODECS, Int8
+from eagleops.pipeline.training.modeling.target import head_and_embeddings
 
 FIXED = 4 + 1  # int32 id + uint8 loss mask per token
 
@@ -71,7 +71,7 @@ LAYOUTS = [
 
 
 def _cli(*args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "console.cli", *args], env=ENV, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "eagleops", *args], env=ENV, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"eagleops {' '.join(args)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 

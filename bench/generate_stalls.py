@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import psutil
 import served_throughput as served
 
-import pipeline.engine.telemetry as telemetry
-from pipeline.demo.demo import TINY_PRETRAIN_STEPS
-from pipeline.demo.tinymodel import build_tiny_model
-from pipeline.servers.vllm import VllmLaunch, vllm_python, vllm_server
+import eagleops.pipeline.engine.telemetry as telemetry
+from eagleops.pipeline.demo.demo import TINY_PRETRAIN_STEPS
+from eagleops.pipeline.demo.tinymodel import build_tiny_model
+from eagleops.pipeline.servers.vllm import VllmLaunch, vllm_python, vllm_server
 
 ARMS = ("raw", "ours", "raw+scrape", "ours-quiet", "raw+ids")
 PER_ROUND, OUTPUT_LEN, SCRAPE_EVERY_S = 600, 64, 6.0

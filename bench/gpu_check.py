@@ -36,7 +36,7 @@ def _part(title: str, run) -> object:
 
 
 def check_nvml() -> None:
-    from pipeline.engine.telemetry import NvmlReader
+    from eagleops.pipeline.engine.telemetry import NvmlReader
 
     stats = NvmlReader().read()
     if stats.error:
@@ -70,8 +70,8 @@ def build_target(args, device, dtype):
 def check_extract(args, model, device, dtype):
     import torch
 
-    from pipeline.training.extract.hf import forward_features
-    from pipeline.training.modeling.layers import default_aux_layers
+    from eagleops.pipeline.training.extract.hf import forward_features
+    from eagleops.pipeline.training.modeling.layers import default_aux_layers
 
     aux_layers = default_aux_layers(args.layers)
     batch = max(1, args.tokens // args.seq)
@@ -109,9 +109,9 @@ def _drafter_and_objective(args, model, config, aux_layers, device):
     """A drafter over a random draft vocabulary with the target's embeddings, and its TTT objective."""
     import torch
 
-    from pipeline.training.modeling.drafter import Eagle3Drafter
-    from pipeline.training.modeling.drafter_config import drafter_config_from_target
-    from pipeline.training.train.loss import Eagle3Objective
+    from eagleops.pipeline.training.modeling.drafter import Eagle3Drafter
+    from eagleops.pipeline.training.modeling.drafter_config import drafter_config_from_target
+    from eagleops.pipeline.training.train.loss import Eagle3Objective
 
     draft = min(args.draft_vocab, args.vocab)
     drafter = Eagle3Drafter(drafter_config_from_target(config, draft_vocab_size=draft, aux_layers=aux_layers)).to(device)
@@ -167,7 +167,7 @@ def check_fused_attention(args, model, config, aux_layers, aux, final, device, d
     """The TTT attention's fused (flex_attention) and eager paths: the same loss and gradients."""
     import torch
 
-    from pipeline.training.modeling import drafter as drafter_module
+    from eagleops.pipeline.training.modeling import drafter as drafter_module
 
     torch.manual_seed(1)
     drafter, objective = _drafter_and_objective(args, model, config, aux_layers, device)

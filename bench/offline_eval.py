@@ -39,7 +39,7 @@ def _uncached(model, drafter, prompt, aux_layers, k, max_new, stops):
     drafter's step 0 over the whole context."""
     import torch
 
-    from pipeline.training.modeling.layers import engine_layer_ids
+    from eagleops.pipeline.training.modeling.layers import engine_layer_ids
     from tests.test_decoding import _uncached_chain  # the chain drafted over the whole context, as eval drafted it then
 
     def target_pass(ids):
@@ -79,13 +79,13 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from pipeline.config import load_run
-    from pipeline.training.artifacts import FeaturesIndex
-    from pipeline.training.eval.decoding import CachedTarget, greedy_generate, speculative_generate
-    from pipeline.training.eval.stage import _held_out_prompts, _prompt_ids
-    from pipeline.training.modeling.drafter import load_exported
-    from pipeline.training.modeling.target import head_and_embeddings, load_target, load_target_tokenizer
-    from pipeline.training.modeling.turns import reply_stop_ids
+    from eagleops.pipeline.config import load_run
+    from eagleops.pipeline.training.artifacts import FeaturesIndex
+    from eagleops.pipeline.training.eval.decoding import CachedTarget, greedy_generate, speculative_generate
+    from eagleops.pipeline.training.eval.stage import _held_out_prompts, _prompt_ids
+    from eagleops.pipeline.training.modeling.drafter import load_exported
+    from eagleops.pipeline.training.modeling.target import head_and_embeddings, load_target, load_target_tokenizer
+    from eagleops.pipeline.training.modeling.turns import reply_stop_ids
 
     config = load_run(args.run)
     target = config.target

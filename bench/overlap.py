@@ -84,7 +84,7 @@ def measure(demo: Path, mode: str, shard_samples: int, bound_gb: float) -> dict:
     for stale in ("features", "train"):
         shutil.rmtree(demo / "out" / stale, ignore_errors=True)
     run = str(_run_file(demo, mode, shard_samples, bound_gb))
-    cli = [sys.executable, "-m", "console.cli"]
+    cli = [sys.executable, "-m", "eagleops"]
     commands = [[*cli, "run", run, "--json"]]
     watch = PeakDisk(demo / "out" / "features")
     watch.start()
@@ -110,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     demo = args.dir or Path(tempfile.mkdtemp(prefix="eagleops-overlap-"))
     if not (demo / "out" / "prepared").exists():
-        subprocess.run([sys.executable, "-m", "console.cli", "demo", "--no-tui", "--dir", str(demo)], env=ENV, check=True)
+        subprocess.run([sys.executable, "-m", "eagleops", "demo", "--no-tui", "--dir", str(demo)], env=ENV, check=True)
     runs: dict[str, list[dict]] = {"sequential": [], "overlap": [], "bounded": []}
     bound_gb = 0.0
     for _ in range(args.repeats):

@@ -50,7 +50,7 @@ GSM8K_PROMPTS = 80
 
 def run_file(work: Path, args: argparse.Namespace, stages: list[str]) -> Path:
     """The run file every phase reads (``stages`` differ: generate alone, then the ML stages)."""
-    from pipeline.demo.real import sharegpt_file, smollm2_checkpoint
+    from eagleops.pipeline.demo.real import sharegpt_file, smollm2_checkpoint
 
     model = smollm2_checkpoint(log=print)
     python = os.environ.get("EAGLEOPS_VLLM_PYTHON", "")
@@ -157,7 +157,7 @@ def generate(work: Path, args: argparse.Namespace) -> None:
     """``eagleops run generate.toml --no-tui`` until its budget is reached; with ``--kill-after``
     the run is killed with SIGKILL that many seconds in (the resume is the next invocation)."""
     path = run_file(work, args, ["generate"])
-    command = [sys.executable, "-m", "console.cli", "run", str(path), "--no-tui"]
+    command = [sys.executable, "-m", "eagleops", "run", str(path), "--no-tui"]
     started = time.monotonic()
     with open(work / "generate.log", "a") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=work, start_new_session=True)
@@ -179,7 +179,7 @@ def features(work: Path, args: argparse.Namespace) -> None:
     path = run_file(work, args, ["prepare", "extract", "train", "export", "eval"])
     for stage in ("prepare", "extract"):
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "console.cli", stage, str(path), "--no-tui"], cwd=work, check=False)
+        done = subprocess.run([sys.executable, "-m", "eagleops", stage, str(path), "--no-tui"], cwd=work, check=False)
         record(work, phase=stage, exit=done.returncode, wall_s=round(time.monotonic() - started, 1))
         if done.returncode:
             sys.exit(done.returncode)
@@ -195,7 +195,7 @@ FRACTIONS = (0.1, 0.25, 0.5, 1.0)  # of the training steps: the learning curve's
 
 
 def _config(work: Path, args: argparse.Namespace):
-    from pipeline.config import load_run
+    from eagleops.pipeline.config import load_run
 
     return load_run(run_file(work, args, ["prepare", "extract", "train", "export", "eval"]))
 
@@ -208,8 +208,8 @@ def _curve_steps(total: int, every: int) -> list[int]:
 def train_ours(work: Path, args: argparse.Namespace) -> None:
     """Our trainer as the train stage runs it, resumable; at each learning-curve step its
     checkpoint is kept (``snapshots/ours-STEP.pt``) for eval."""
-    from pipeline.training.context import StageContext
-    from pipeline.training.train.loop import _Trainer
+    from eagleops.pipeline.training.context import StageContext
+    from eagleops.pipeline.training.train.loop import _Trainer
 
     config = _config(work, args)
     snapshots = work / "snapshots"
@@ -242,11 +242,11 @@ def train_specforge(work: Path, args: argparse.Namespace) -> None:
     from safetensors.torch import load_file
 
     from bench.train_vs_specforge import SpecForgeSide, find_specforge, import_specforge
-    from pipeline.training.artifacts import DRAFT_VOCAB
-    from pipeline.training.features.reader import FeatureShards
-    from pipeline.training.modeling.drafter_config import DrafterChoice, drafter_config_from_target
-    from pipeline.training.modeling.target import head_and_embeddings, head_rows, load_target_config
-    from pipeline.training.train.data import collate, shuffled_order
+    from eagleops.pipeline.training.artifacts import DRAFT_VOCAB
+    from eagleops.pipeline.training.features.reader import FeatureShards
+    from eagleops.pipeline.training.modeling.drafter_config import DrafterChoice, drafter_config_from_target
+    from eagleops.pipeline.training.modeling.target import head_and_embeddings, head_rows, load_target_config
+    from eagleops.pipeline.training.train.data import collate, shuffled_order
 
     config = _config(work, args)
     tc = config.train
@@ -309,9 +309,9 @@ def _exported(work: Path, args: argparse.Namespace, trainer: str, step: int) -> 
     import torch
     from safetensors.torch import save_file
 
-    from pipeline.training.context import StageContext
-    from pipeline.training.modeling.drafter import EXPORTED_PREFIXES
-    from pipeline.training.stages import stage_functions
+    from eagleops.pipeline.training.context import StageContext
+    from eagleops.pipeline.training.modeling.drafter import EXPORTED_PREFIXES
+    from eagleops.pipeline.training.stages import stage_function
 
     config = _config(work, args)
     scratch = work / "exports" / f"{trainer}-{step}"
@@ -328,7 +328,7 @@ def _exported(work: Path, args: argparse.Namespace, trainer: str, step: int) -> 
     source = work / "snapshots" / f"ours-{step}.pt" if trainer == "ours" else ours[-1]
     shutil.copyfile(source, scratch / "train" / "checkpoint.pt")
     local = type(config)(**{**config.__dict__, "output_dir": scratch})
-    stage_functions()["export"](local, StageContext("export"))
+    stage_function("export")(local, StageContext("export"))
     if trainer == "specforge":
         state = torch.load(work / "snapshots" / f"specforge-{step}.pt")
         tensors = {k: v.contiguous() for k, v in state.items() if k.startswith(EXPORTED_PREFIXES)}
@@ -339,10 +339,10 @@ def _exported(work: Path, args: argparse.Namespace, trainer: str, step: int) -> 
 
 def evaluate(work: Path, args: argparse.Namespace) -> None:
     """vLLM with the snapshot's drafter, then plain, on every benchmark: one line per benchmark."""
-    from pipeline.training.context import StageContext
-    from pipeline.training.eval.served import evaluate_served
-    from pipeline.training.eval.stage import _work
-    from pipeline.training.modeling.target import load_target_tokenizer
+    from eagleops.pipeline.training.context import StageContext
+    from eagleops.pipeline.training.eval.served import evaluate_served
+    from eagleops.pipeline.training.eval.stage import _work
+    from eagleops.pipeline.training.modeling.target import load_target_tokenizer
 
     config = _config(work, args)
     steps = sorted(int(p.stem.split("-")[1]) for p in (work / "snapshots").glob(f"{args.trainer}-*.pt"))
@@ -364,8 +364,8 @@ def differences(work: Path, args: argparse.Namespace) -> None:
     (transformers, fp32 and bf16). Rounding flips only near-ties: a gap of a few bf16 steps."""
     import torch
 
-    from pipeline.training.eval.stage import _held_out_prompts, _prompt_ids, _work  # noqa: F401  (the prompts, as eval built them)
-    from pipeline.training.modeling.target import load_target_tokenizer
+    from eagleops.pipeline.training.eval.stage import _held_out_prompts, _prompt_ids, _work  # noqa: F401  (the prompts, as eval built them)
+    from eagleops.pipeline.training.modeling.target import load_target_tokenizer
 
     config = _config(work, args)
     path = config.output_dir / "eval-differences.jsonl"
@@ -400,8 +400,8 @@ def differences(work: Path, args: argparse.Namespace) -> None:
 def _prompts_by_set(config, tokenizer) -> dict[str, list[list[int] | None]]:
     """Every set's prompts in eval's order; None for a multi-turn question's later turns (their
     prompt holds the target's earlier answer, which is what differed: not checked here)."""
-    from pipeline.training.context import StageContext
-    from pipeline.training.eval.stage import _work
+    from eagleops.pipeline.training.context import StageContext
+    from eagleops.pipeline.training.eval.stage import _work
 
     prompts: dict[str, list[list[int] | None]] = {}
     for name, _, run in _work(config, StageContext("eval"), tokenizer, config.thinking):

@@ -42,13 +42,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.config import parse_run
-from pipeline.demo.demo import TINY_PRETRAIN_STEPS
-from pipeline.demo.tinymodel import build_tiny_model, sample_text
-from pipeline.engine import Engine
-from pipeline.placement import cpu_list, parse_cpu_list
-from pipeline.servers.vllm import VllmLaunch, complete_batch, vllm_python, vllm_server
-from pipeline.training.extract.served import _rpc, capture_launch, capture_shard
+from eagleops.pipeline.config import parse_run
+from eagleops.pipeline.demo.demo import TINY_PRETRAIN_STEPS
+from eagleops.pipeline.demo.tinymodel import build_tiny_model, sample_text
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.placement import cpu_list, parse_cpu_list
+from eagleops.pipeline.servers.vllm import VllmLaunch, complete_batch, vllm_python, vllm_server
+from eagleops.pipeline.training.extract.served import _rpc, capture_launch, capture_shard
 
 WORK = Path(__file__).resolve().parent / "_work" / "served"
 CPU_FLAGS = ("--optimization-level", "0", "--gpu-memory-utilization", "0.3")
@@ -218,8 +218,8 @@ def _capture_times(launch: VllmLaunch, rows: list[list[int]], shard: int, repeat
     One server at a time: vLLM's CPU workers are bound to the same cores and spin after their
     work, so a second live server slowed whichever ran next by up to 2.5x (measured, both ways).
     Two blocks, each starting every server in turn for ``repeats`` rounds after a warm-up."""
-    from pipeline.training.artifacts import FeaturesIndex
-    from pipeline.training.context import StageContext
+    from eagleops.pipeline.training.artifacts import FeaturesIndex
+    from eagleops.pipeline.training.context import StageContext
 
     longest = max(map(len, rows))
     capture = capture_launch(launch, WORK / "ext", longest)

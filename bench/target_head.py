@@ -26,7 +26,7 @@ def _one(args: argparse.Namespace, chunk: int) -> dict:
     import psutil
     import torch
 
-    from pipeline.training.train.loss import target_top_and_draft_probs
+    from eagleops.pipeline.training.train.loss import target_top_and_draft_probs
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

@@ -27,7 +27,7 @@ over the draft vocabulary, over the positions whose target top-1 is in it: one n
 both (their training losses differ there: SpecForge averages over all batch x seq positions, ours
 over the trained ones).
 
-Our side: ``pipeline.training.train.loop._Trainer.train_step`` itself (bound to a stand-in
+Our side: ``eagleops.pipeline.training.train.loop._Trainer.train_step`` itself (bound to a stand-in
 ``self``), which runs ``Eagle3Objective`` over ``Eagle3Drafter``, ``torch.optim.AdamW``,
 ``clip_grad_norm_(max_grad_norm)`` and a ``LambdaLR`` schedule (constant here).
 
@@ -237,7 +237,7 @@ def build_batches(args, target, gen):
 def drafter_config(args):
     from transformers import LlamaConfig
 
-    from pipeline.training.modeling.drafter_config import drafter_config_from_target
+    from eagleops.pipeline.training.modeling.drafter_config import drafter_config_from_target
 
     heads = args.heads or max(1, args.hidden // 128)
     target = LlamaConfig(
@@ -364,9 +364,9 @@ class OursSide(Side):
     name = "ours"
 
     def __init__(self, config, target, d2t, t2d, initial_state, args, device):
-        from pipeline.training.modeling.drafter import Eagle3Drafter
-        from pipeline.training.train.loop import _Trainer
-        from pipeline.training.train.loss import Eagle3Objective
+        from eagleops.pipeline.training.modeling.drafter import Eagle3Drafter
+        from eagleops.pipeline.training.train.loop import _Trainer
+        from eagleops.pipeline.training.train.loss import Eagle3Objective
 
         drafter = Eagle3Drafter(copy.deepcopy(config))
         result = drafter.load_state_dict(initial_state, strict=False)  # the same initial weights as SpecForge's
@@ -402,7 +402,7 @@ class OursSide(Side):
     def logits(self, batch) -> list:
         """Every position's draft logits at each TTT step (the objective applies the head only
         to the rows its loss reads, so they are computed here step by step, as it runs them)."""
-        from pipeline.training.modeling.blocks import DraftCache
+        from eagleops.pipeline.training.modeling.blocks import DraftCache
 
         drafter, (ids, lengths) = self.drafter, (batch["input_ids"], batch["lengths"])
         t = ids.shape[1]

@@ -1,5 +1,2 @@
-"""The eagleops console (Textual) and command line."""
-
-# First, before anything heavy is imported: a headless run holds its signals from here on
-# (`python -m console.cli` and the `eagleops` script both import this package before the module).
-from console import early_signals  # noqa: F401
+"""The eagleops console: the Textual TUI that renders a run's events and sends its commands
+through the protocol, and the text of those events (``report``) it shares with ``--no-tui``."""

@@ -17,10 +17,21 @@ from textual.screen import Screen
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerState
 
-from pipeline.errors import UsageError
-from pipeline.protocol.control import ControlError
-from pipeline.protocol.events import Command, DatasetProgress, Kill, LogEvent, Pause, Resume, RunPhase, SetBudget, StageState, StageStatus
-from pipeline.protocol.report import detail_text, format_event
+from eagleops.console.report import detail_text, format_event
+from eagleops.pipeline.errors import UsageError
+from eagleops.pipeline.protocol.control import ControlError
+from eagleops.pipeline.protocol.events import (
+    Command,
+    DatasetProgress,
+    Kill,
+    LogEvent,
+    Pause,
+    Resume,
+    RunPhase,
+    SetBudget,
+    StageState,
+    StageStatus,
+)
 
 from .keymap import APP_KEYS, bindings
 from .link import EngineLink
@@ -40,9 +51,9 @@ COMMAND_TIMEOUT_S = 10.0  # an engine answers in milliseconds; this long means i
 def theme_css(theme: str) -> list[str | PurePath]:
     if theme not in THEMES:
         raise UsageError(f"unknown theme {theme!r}; choose from {', '.join(THEMES)}")
-    # console.themes is themes/ in a checkout and console/themes/ in a wheel: either way files on
+    # eagleops.themes is themes/ in a checkout (linked from eagleops/) and in a wheel: either way files on
     # disk (pip unpacks wheels), which Textual wants as paths: it reads them and, in dev mode, watches them.
-    themes = resources.files("console.themes")
+    themes = resources.files("eagleops.themes")
     return [Path(str(themes / "base.tcss")), Path(str(themes / f"{theme}.tcss"))]
 
 

@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.config import RunConfig
-from pipeline.errors import RunError
-from pipeline.protocol.control import ControlClient, checked_runtime_dir, socket_path_for
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.errors import RunError
+from eagleops.pipeline.protocol.control import ControlClient, checked_runtime_dir, socket_path_for
 
 __all__ = ["DetachedEngine", "start_detached"]
 
@@ -64,7 +64,7 @@ def start_detached(config: RunConfig, argv: list[str]) -> DetachedEngine:
     config.output_dir.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "console.cli", *argv, "--no-tui"],
+            [sys.executable, "-m", "eagleops", *argv, "--no-tui"],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

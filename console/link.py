@@ -1,5 +1,5 @@
 """How the console reaches an engine: this interface (events out, commands in), never engine
-internals. Over the control socket here; in the same event loop, ``console.session.LocalLink``.
+internals. Over the control socket here; in the same event loop, ``eagleops.console.session.LocalLink``.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.protocol.control import ControlClient
-from pipeline.protocol.events import Ack, Command, Event
+from eagleops.pipeline.protocol.control import ControlClient
+from eagleops.pipeline.protocol.events import Ack, Command, Event
 
 __all__ = ["EngineLink", "SocketLink"]
 

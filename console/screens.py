@@ -9,7 +9,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
-from pipeline.config import format_tokens, parse_tokens
+from eagleops.pipeline.config import format_tokens, parse_tokens
 
 from .keymap import help_markup
 from .terminal import to_ascii

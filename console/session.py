@@ -9,12 +9,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.engine import Engine, RunSummary
-from pipeline.engine.headless import exit_code
-from pipeline.protocol.control import ControlError
-from pipeline.protocol.events import Ack, Command, Event
-from pipeline.protocol.report import status_line, totals_line
+from eagleops.console.report import status_line, totals_line
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.engine import Engine, RunSummary
+from eagleops.pipeline.protocol.control import ControlError
+from eagleops.pipeline.protocol.events import Ack, Command, Event
 
 from .app import EagleOpsApp
 from .link import SocketLink
@@ -64,7 +63,7 @@ class LocalLink:
 
     def exit_code(self) -> int | None:
         summary = self.summary
-        return exit_code(summary) if summary is not None else None
+        return summary.exit_code if summary is not None else None
 
 
 async def run_console(config: RunConfig, *, theme: str = "dark", refresh_s: float = 1.0, stages: tuple[str, ...] | None = None) -> int:

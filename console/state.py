@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pipeline.protocol.events import (
+from eagleops.pipeline.protocol.events import (
     DatasetProgress,
     EndpointStats,
     Event,

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import parse_run
-from pipeline.demo.demo import write_demo_datasets
-from pipeline.engine import Engine
-from pipeline.servers.launch import start_server
-from pipeline.training.context import StageContext
+from eagleops.pipeline.config import parse_run
+from eagleops.pipeline.demo.demo import write_demo_datasets
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.servers.launch import start_server
+from eagleops.pipeline.training.context import StageContext
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -56,15 +56,15 @@ def _private_runtime_dir(tmp_path, monkeypatch):
 def fault_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fault")
     with start_server(
-        ["pipeline.servers.fault", "--tokens", "20", "--retry-after", "0.1"], folder / "port", log_path=folder / "log"
+        ["eagleops.pipeline.testservers.fault", "--tokens", "20", "--retry-after", "0.1"], folder / "port", log_path=folder / "log"
     ) as port:
         yield Server(port)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from pipeline.demo.demo import TINY_PRETRAIN_STEPS
-    from pipeline.demo.tinymodel import build_tiny_model
+    from eagleops.pipeline.demo.demo import TINY_PRETRAIN_STEPS
+    from eagleops.pipeline.demo.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", pretrain_steps=TINY_PRETRAIN_STEPS)
 
@@ -142,7 +142,7 @@ def generated(tmp_path_factory, tiny_model) -> Path:
     folder = tmp_path_factory.mktemp("generated")
     write_demo_datasets(folder / "data", count=220)
     with start_server(
-        ["pipeline.servers.model", "--model", str(tiny_model), "--max-batch", "32"], folder / "port", log_path=folder / "log"
+        ["eagleops.pipeline.demo.model_server", "--model", str(tiny_model), "--max-batch", "32"], folder / "port", log_path=folder / "log"
     ) as port:
         config = ml_config(folder, tiny_model, base_url=f"http://127.0.0.1:{port}/v1", stages=["generate"])
         summary = asyncio.run(Engine(config).run())
@@ -158,9 +158,9 @@ def workdir(tmp_path, generated) -> Path:
 
 
 def run_stage(config, name: str, ctx: StageContext | None = None):
-    from pipeline.training.stages import stage_functions
+    from eagleops.pipeline.training.stages import stage_function
 
-    return stage_functions()[name](config, ctx or StageContext(name))
+    return stage_function(name)(config, ctx or StageContext(name))
 
 
 @pytest.fixture(scope="session")
@@ -213,9 +213,9 @@ def trained_spans(tokenizer, ids, mask) -> list[str]:
 def builder_for(tokenizer, model_dir: Path | None = None, switches: dict | None = None):
     """prepare's SampleBuilder for a tokenizer: each thinking mode with the template's own switch
     (or ``switches``: mode -> chat_template_kwargs), stopping where a server would."""
-    from pipeline.training.modeling.thinking_switch import learn_thinking_switch
-    from pipeline.training.modeling.turns import reply_stop_ids, turn_ends
-    from pipeline.training.prepare.samples import SampleBuilder
+    from eagleops.pipeline.training.modeling.thinking_switch import learn_thinking_switch
+    from eagleops.pipeline.training.modeling.turns import reply_stop_ids, turn_ends
+    from eagleops.pipeline.training.prepare.samples import SampleBuilder
 
     switch = learn_thinking_switch(tokenizer)
     kwargs = {mode: (switch.kwargs(mode) if switch else {}) for mode in ("keep", "drop", "off")}

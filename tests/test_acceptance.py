@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from pipeline.training.eval.acceptance import acceptance_from_counts, acceptance_from_steps
+from eagleops.pipeline.training.eval.acceptance import acceptance_from_counts, acceptance_from_steps
 
 
 def test_acceptance_of_counted_steps():

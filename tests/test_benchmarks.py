@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import parse_run
-from pipeline.errors import InputError
-from pipeline.training.artifacts import EvalResult
-from pipeline.training.eval.benchmarks import ask_turns, benchmark_table, load_benchmark
+from eagleops.pipeline.config import parse_run
+from eagleops.pipeline.errors import InputError
+from eagleops.pipeline.training.artifacts import EvalResult
+from eagleops.pipeline.training.eval.benchmarks import ask_turns, benchmark_table, load_benchmark
 
 DATA = Path(__file__).resolve().parent / "data" / "benchmarks"
 
@@ -147,9 +147,9 @@ def test_a_rows_tools_reach_the_template_and_a_call_is_trained_as_rendered(zoo_f
 
 
 def test_a_reply_that_calls_a_tool_keeps_its_calls_in_the_record():
-    from pipeline.generate.client import Completion
-    from pipeline.generate.conversation import assistant_turn
-    from pipeline.generate.replies import parse_reply
+    from eagleops.pipeline.generate.client import Completion
+    from eagleops.pipeline.generate.conversation import assistant_turn
+    from eagleops.pipeline.generate.replies import parse_reply
 
     body = {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
             "function": {"name": "get_weather", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}], "usage": {"completion_tokens": 9}}  # fmt: skip
@@ -160,8 +160,8 @@ def test_a_reply_that_calls_a_tool_keeps_its_calls_in_the_record():
 
 
 def test_llama_factory_tool_rows_become_calls_and_results():
-    from pipeline.config.fields import field_map
-    from pipeline.sources import read_row
+    from eagleops.pipeline.config.fields import field_map
+    from eagleops.pipeline.sources import read_row
 
     row = {  # LLaMA-Factory's glaive_toolcall_en_demo.json shape: tools and the call as JSON strings
         "conversations": [
@@ -190,9 +190,9 @@ def test_tools_go_out_with_the_request_and_a_new_call_ends_a_regenerated_chat():
     import asyncio
     from types import SimpleNamespace
 
-    from pipeline.config import EndpointConfig, SamplingConfig
-    from pipeline.generate.client import ChatClient, Completion
-    from pipeline.generate.conversation import regenerate_all
+    from eagleops.pipeline.config import EndpointConfig, SamplingConfig
+    from eagleops.pipeline.generate.client import ChatClient, Completion
+    from eagleops.pipeline.generate.conversation import regenerate_all
 
     sampling = SamplingConfig()
     for kind, choice in (("vllm", "none"), ("openrouter", None)):  # vLLM's "auto" needs a parser flag; "none" still renders them

@@ -10,10 +10,10 @@ import re
 import pytest
 import torch
 
-from pipeline.config import parse_run
-from pipeline.training.artifacts import CaptureLayout, CaptureMismatch, Checkpoint, FeaturesIndex
-from pipeline.training.context import StageContext
-from pipeline.training.modeling.layers import default_aux_layers, engine_layer_ids, layers_from_engine_ids
+from eagleops.pipeline.config import parse_run
+from eagleops.pipeline.training.artifacts import CaptureLayout, CaptureMismatch, Checkpoint, FeaturesIndex
+from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.modeling.layers import default_aux_layers, engine_layer_ids, layers_from_engine_ids
 
 from .conftest import ml_config
 from .conftest import run_stage as _stage
@@ -34,7 +34,12 @@ def test_default_layers_and_each_engines_numbering():
 def test_the_exported_config_names_the_layers_in_both_engines_keys_and_reads_back(tmp_path):
     from transformers import LlamaConfig
 
-    from pipeline.training.modeling.drafter_config import ARCHITECTURE, drafter_config_from_target, exported_capture, exported_config
+    from eagleops.pipeline.training.modeling.drafter_config import (
+        ARCHITECTURE,
+        drafter_config_from_target,
+        exported_capture,
+        exported_config,
+    )
 
     target = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4)
     trained = drafter_config_from_target(target, draft_vocab_size=32, aux_layers=(1, 3, 4))
@@ -81,10 +86,10 @@ def _mismatch(*files_and_layers) -> str:
 
 
 def test_export_and_eval_refuse_a_drafter_trained_on_other_layers_than_the_features(tmp_path):
-    from pipeline.training.eval.stage import evaluate
-    from pipeline.training.export.stage import export
-    from pipeline.training.modeling.drafter_config import exported_config
-    from pipeline.training.train.checkpoints import checkpoint_to_resume
+    from eagleops.pipeline.training.eval.stage import evaluate
+    from eagleops.pipeline.training.export.stage import export
+    from eagleops.pipeline.training.modeling.drafter_config import exported_config
+    from eagleops.pipeline.training.train.checkpoints import checkpoint_to_resume
 
     config = _run_file(tmp_path)
     config.train_dir.mkdir(parents=True)
@@ -109,7 +114,7 @@ def test_export_and_eval_refuse_a_drafter_trained_on_other_layers_than_the_featu
 
 @pytest.mark.slow
 def test_re_extracting_other_layers_under_a_trained_drafter_is_an_error_not_a_silent_mismatch(workdir, tiny_model):
-    from pipeline.training.eval.stage import evaluate
+    from eagleops.pipeline.training.eval.stage import evaluate
 
     first = ml_config(workdir, tiny_model, train={"max_steps": 4, "checkpoint_every": 4})
     for stage in ("prepare", "extract", "train", "export"):

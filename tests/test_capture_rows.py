@@ -13,8 +13,8 @@ import random
 import numpy as np
 import pytest
 
-from pipeline.errors import RunError
-from pipeline.training.extract.served import assign_rows
+from eagleops.pipeline.errors import RunError
+from eagleops.pipeline.training.extract.served import assign_rows
 
 
 def _schedule(prompts: list[list[int]], rng: random.Random, budget: int, max_seqs: int, pad: int = 0):
@@ -84,7 +84,7 @@ def test_only_the_first_tensor_parallel_rank_captures_and_dumps(tp_rank, tmp_pat
 
     import torch
 
-    from pipeline.servers import vllm_capture
+    from eagleops.pipeline.servers import vllm_capture
 
     parallel_state = types.ModuleType("vllm.distributed.parallel_state")
     parallel_state.get_tensor_model_parallel_rank = lambda: tp_rank  # type: ignore[attr-defined]

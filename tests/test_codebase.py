@@ -52,8 +52,26 @@ def test_mypy():
     assert result.returncode == 0, result.stdout[-4000:]
 
 
+def _module_files() -> dict[str, Path]:
+    """Every module of the package by its installed name (``eagleops.pipeline.engine``) and the
+    file it is in the tree: ``eagleops/``'s own files, and ``pipeline/`` and ``console/``, which
+    it links in."""
+    files: dict[str, Path] = {}
+    for folder, prefix in (
+        (ROOT / "eagleops", ["eagleops"]),
+        (ROOT / "pipeline", ["eagleops", "pipeline"]),
+        (ROOT / "console", ["eagleops", "console"]),
+    ):
+        for path in sorted(folder.rglob("*.py")) if folder.name != "eagleops" else sorted(folder.glob("*.py")):
+            parts = [*prefix, *path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join(parts)] = path
+    return files
+
+
 def _sources() -> list[Path]:
-    return sorted(p for folder in ("pipeline", "console") for p in (ROOT / folder).rglob("*.py"))
+    return sorted(_module_files().values())
 
 
 def test_modules_and_functions_stay_small():
@@ -84,21 +102,25 @@ def _loaded_after_import(modules: list[str], probes: tuple[str, ...]) -> list[st
     return [m for m in result.stdout.strip().split(",") if m]
 
 
-def _modules(folder: str) -> list[str]:
-    names = []
-    for path in sorted((ROOT / folder).rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__main__":
-            continue
-        if parts[-1] == "__init__":
-            parts.pop()
-        names.append(".".join(parts))
-    return names
+def _modules(part: str) -> list[str]:
+    """The importable modules (``__main__`` aside) of ``part``: ``pipeline``, ``console`` or ``eagleops`` (the front door)."""
+    own = "eagleops" if part == "eagleops" else f"eagleops.{part}"
+    return [
+        name
+        for name in _module_files()
+        if name.rsplit(".", 1)[-1] != "__main__"
+        and (name == own or name.startswith(own + "."))
+        and (part != "eagleops" or name.count(".") <= 1)
+        and not (part == "eagleops" and name.split(".")[1:2] in (["pipeline"], ["console"]))
+    ]
 
 
 def test_the_engine_never_loads_the_ui():
     """Every engine module, and the command line itself: `--no-tui` never loads Textual."""
-    assert _loaded_after_import([*_modules("pipeline"), "console.cli"], ("textual", "rich")) == []
+    assert (
+        _loaded_after_import([*_modules("pipeline"), "eagleops.cli", "eagleops.headless", "eagleops.console.report"], ("textual", "rich"))
+        == []
+    )
 
 
 def test_engine_generate_and_protocol_load_no_torch():
@@ -106,23 +128,27 @@ def test_engine_generate_and_protocol_load_no_torch():
     light = [
         m
         for m in _modules("pipeline")
-        if m.split(".")[1:2] and m.split(".")[1] in ("engine", "generate", "protocol", "config", "errors", "files")
+        if m.split(".")[2:3] and m.split(".")[2] in ("engine", "generate", "protocol", "config", "errors", "files", "stages")
     ]
-    assert _loaded_after_import([*light, "pipeline.training", "pipeline.training.context", "console.cli"], ("torch", "transformers")) == []
+    assert (
+        _loaded_after_import(
+            [*light, "eagleops.pipeline.training", "eagleops.pipeline.training.context", "eagleops.cli"], ("torch", "transformers")
+        )
+        == []
+    )
 
 
 def test_run_file_reference_is_the_schema():
-    from pipeline.config.__main__ import document_with_reference
+    from eagleops.pipeline.config.__main__ import document_with_reference
 
     reference = (ROOT / "docs" / "run-file.md").read_text()
-    stale = "docs/run-file.md is stale: run `python -m pipeline.config docs/run-file.md`"
+    stale = "docs/run-file.md is stale: run `python -m eagleops.pipeline.config docs/run-file.md`"
     assert reference == document_with_reference(reference), stale
 
 
-def _imports_of(path: Path, known: set[str]) -> set[str]:
-    """Our modules that ``path`` imports anywhere: at the top, in functions, under TYPE_CHECKING."""
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+def _imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Our modules that module ``name`` (in ``path``) imports anywhere: at the top, in functions, under TYPE_CHECKING."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -136,9 +162,8 @@ def _imports_of(path: Path, known: set[str]) -> set[str]:
 
 
 def _import_cycles() -> list[list[str]]:
-    modules = {name: ROOT / (name.replace(".", "/") + ".py") for name in [*_modules("pipeline"), *_modules("console")]}
-    modules = {name: path if path.exists() else path.with_suffix("") / "__init__.py" for name, path in modules.items()}
-    graph = {name: _imports_of(path, set(modules)) - {name} for name, path in modules.items()}
+    modules = _module_files()
+    graph = {name: _imports_of(name, path, set(modules)) - {name} for name, path in modules.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -172,3 +197,58 @@ def _import_cycles() -> list[list[str]]:
 def test_no_module_imports_a_module_that_imports_it_back():
     """Not even under TYPE_CHECKING or inside a function: a cycle is one room split in two."""
     assert _import_cycles() == []
+
+
+def _our_imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_one_namespace_nothing_imports_pipeline_or_console_bare():
+    """``pipeline`` and ``console`` are other PyPI projects' names: everything is ``eagleops.*``
+    (in a checkout the bare names would import too, as second copies of the same modules)."""
+    files = [*_sources(), *sorted((ROOT / "tests").rglob("*.py")), *sorted((ROOT / "bench").glob("*.py"))]
+    bare = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in files
+        for line, module in _our_imports(path)
+        if module.split(".")[0] in ("pipeline", "console", "themes")
+    ]
+    assert bare == []
+
+
+def test_importing_any_module_sets_no_signal_handler():
+    """Signals belong to the entry point (``eagleops.__main__``), never to an import."""
+    modules = [m for m in _module_files() if m.rsplit(".", 1)[-1] != "__main__"]
+    code = (
+        "import importlib, signal\n"
+        "calls = []\n"
+        "signal.signal = lambda sig, handler: calls.append(sig)\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(calls)\n"
+    )
+    result = _run(sys.executable, "-c", code, "--no-tui", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_stage_list_exists_once():
+    """No module but ``pipeline/stages.py`` writes the stages down in a list of its own."""
+    from eagleops.pipeline.stages import STAGE_NAMES
+
+    lists = []
+    for path in _sources():
+        if path == ROOT / "pipeline" / "stages.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                items = node.keys if isinstance(node, ast.Dict) else node.elts
+                names = {item.value for item in items if isinstance(item, ast.Constant) and item.value in STAGE_NAMES}
+                if len(names) >= 3:
+                    lists.append(f"{path.relative_to(ROOT)}:{node.lineno}: {sorted(names)}")
+    assert lists == []

@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.config import ConfigError, format_tokens, load_run, parse_tokens
+from eagleops.pipeline.config import ConfigError, format_tokens, load_run, parse_tokens
 
 
 @pytest.mark.parametrize(

@@ -17,16 +17,16 @@ import pytest
 from rich.text import Text
 from textual.widgets import Static
 
-from console.app import EagleOpsApp
-from console.keymap import KEYMAP, help_rows, markdown_table
-from console.link import SocketLink
-from console.panes import DatasetsTable, GpuPane, ServerPane, StagesPane
-from console.screens import HELP, ConfirmScreen, DetailScreen, HelpScreen
-from console.session import LocalLink
-from pipeline.engine import Engine
-from pipeline.engine.telemetry import NvmlReader, server_metrics
-from pipeline.protocol.control import ControlClient
-from pipeline.protocol.events import (
+from eagleops.console.app import EagleOpsApp
+from eagleops.console.keymap import KEYMAP, help_rows, markdown_table
+from eagleops.console.link import SocketLink
+from eagleops.console.panes import DatasetsTable, GpuPane, ServerPane, StagesPane
+from eagleops.console.screens import HELP, ConfirmScreen, DetailScreen, HelpScreen
+from eagleops.console.session import LocalLink
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.engine.telemetry import NvmlReader, server_metrics
+from eagleops.pipeline.protocol.control import ControlClient
+from eagleops.pipeline.protocol.events import (
     Ack,
     DatasetProgress,
     DatasetState,
@@ -44,7 +44,7 @@ from pipeline.protocol.events import (
     StageState,
     StageStatus,
 )
-from pipeline.servers.metrics import parse_prometheus
+from eagleops.pipeline.servers.metrics import parse_prometheus
 
 from .conftest import make_config, write_jsonl
 
@@ -411,7 +411,7 @@ def _env() -> dict:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True, text=True, env=_env(), timeout=60)
+    return subprocess.run([sys.executable, "-m", "eagleops", *args], capture_output=True, text=True, env=_env(), timeout=60)
 
 
 def _run_file(tmp_path: Path, base_url: str, n: int = 2000) -> Path:
@@ -425,7 +425,7 @@ def _run_file(tmp_path: Path, base_url: str, n: int = 2000) -> Path:
 
 
 def _wait_for_socket(timeout: float = 30) -> Path:
-    from pipeline.protocol.control import find_sockets
+    from eagleops.pipeline.protocol.control import find_sockets
 
     deadline = time.monotonic() + timeout
     while not (found := find_sockets()):
@@ -437,7 +437,7 @@ def _wait_for_socket(timeout: float = 30) -> Path:
 async def test_two_attached_consoles_see_the_same_headless_run(tmp_path, fault_server):
     run = _run_file(tmp_path, fault_server.base_url)
     engine = subprocess.Popen(
-        [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "eagleops", "run", str(run), "--no-tui"], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
         path = await asyncio.to_thread(_wait_for_socket)
@@ -456,7 +456,7 @@ async def test_two_attached_consoles_see_the_same_headless_run(tmp_path, fault_s
             await one.press("q")  # detach: no confirmation, the run goes on
             await one.pause(0.3)
         assert engine.poll() is None
-        from pipeline.protocol.control import ControlClient
+        from eagleops.pipeline.protocol.control import ControlClient
 
         client = ControlClient(path)
         status = await client.status()
@@ -506,7 +506,7 @@ def test_the_real_program_in_a_terminal(tmp_path, fault_server):
         subprocess.run(["tmux", "send-keys", "-t", session, *k], check=True)
 
     try:
-        start(f"{sys.executable} -m console.cli run {run}")
+        start(f"{sys.executable} -m eagleops run {run}")
         wait_screen("B2")
         text = wait_screen("no NVIDIA GPU")
         assert "B1" in text and "B2" in text and "Stages" in text
@@ -522,7 +522,7 @@ def test_the_real_program_in_a_terminal(tmp_path, fault_server):
         status = _cli("status")
         assert status.returncode == 0 and "7M" in status.stdout, status.stderr  # the run goes on without its terminal
         assert (tmp_path / "out" / "engine.log").exists()
-        start(f"{sys.executable} -m console.cli attach")
+        start(f"{sys.executable} -m eagleops attach")
         wait_screen("B2")
         keys("q")
         deadline = time.monotonic() + 30

@@ -97,7 +97,7 @@ def _exits_within(process: subprocess.Popen, seconds: float) -> int | None:
 def detached_run(tmp_path, fault_server):
     run = _run_file(tmp_path, fault_server.base_url)
     engine = subprocess.Popen(
-        [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "eagleops", "run", str(run), "--no-tui"], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
         yield asyncio.run(asyncio.to_thread(_wait_for_socket)), engine
@@ -112,7 +112,7 @@ def detached_run(tmp_path, fault_server):
 
 def test_an_attached_console_whose_terminal_closed_without_a_hangup_exits(detached_run):
     socket, engine = detached_run
-    terminal = Terminal([sys.executable, "-m", "console.cli", "attach", str(socket)])
+    terminal = Terminal([sys.executable, "-m", "eagleops", "attach", str(socket)])
     try:
         terminal.wait_for(b"B2")
         terminal.close_other_end()
@@ -129,7 +129,7 @@ def test_sigterm_ends_a_console_whose_terminal_stopped_reading(detached_run):
     """A terminal that hangs (an SSH link gone quiet, a suspended tmux client): the console's
     writes block once the pty's buffer is full; SIGTERM must still end it."""
     socket, engine = detached_run
-    terminal = Terminal([sys.executable, "-m", "console.cli", "attach", str(socket)])
+    terminal = Terminal([sys.executable, "-m", "eagleops", "attach", str(socket)])
     try:
         terminal.wait_for(b"B2")
         terminal.draining = False  # nothing reads any more: the pty's buffer fills, writes block

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pipeline import cpus
+from eagleops.pipeline import cpus
 
 
 def test_the_cgroup_quota_is_read_in_cores(tmp_path):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.training.modeling.blocks import DraftCache
-from pipeline.training.modeling.drafter import Eagle3Drafter
+from eagleops.pipeline.training.modeling.blocks import DraftCache
+from eagleops.pipeline.training.modeling.drafter import Eagle3Drafter
 
 
 def _drafter(seed: int = 0, **extra) -> Eagle3Drafter:
@@ -78,7 +78,7 @@ def _tiny_target(tiny_model):
 def test_cached_target_gives_the_uncached_features_and_greedy_tokens(tiny_model):
     """Fed in pieces through its cache, with drafts cut back: the features and the greedy next
     tokens of one uncached forward over the same sequence."""
-    from pipeline.training.eval.decoding import CachedTarget
+    from eagleops.pipeline.training.eval.decoding import CachedTarget
 
     model = _tiny_target(tiny_model)
     ids = torch.randint(5, 200, (30,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -103,7 +103,7 @@ def test_cached_target_gives_the_uncached_features_and_greedy_tokens(tiny_model)
 def test_speculative_decoding_gives_the_greedy_output(tiny_model):
     """Whatever the drafter proposes, greedy verification keeps the target's greedy tokens (fp32:
     no near-ties to split), and each step gains its accepted drafts plus one."""
-    from pipeline.training.eval.decoding import CachedTarget, greedy_generate, speculative_generate
+    from eagleops.pipeline.training.eval.decoding import CachedTarget, greedy_generate, speculative_generate
 
     model = _tiny_target(tiny_model)
     hidden = model.config.hidden_size
@@ -128,7 +128,7 @@ def test_eval_decodes_a_wrapper_that_has_no_generate(zoo_model):
     ``generate`` (transformers >= 4.50): eval decodes through its language model all the same."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.training.eval.decoding import CachedTarget, greedy_generate
+    from eagleops.pipeline.training.eval.decoding import CachedTarget, greedy_generate
 
     folder = zoo_model("kimi-k2.5")
     model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=torch.float32).eval()

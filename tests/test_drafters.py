@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from pipeline.errors import ConfigError
-from pipeline.training.modeling.drafter_config import DrafterChoice, drafter_config_from_target, drafter_kind, serving_engines
+from eagleops.pipeline.errors import ConfigError
+from eagleops.pipeline.training.modeling.drafter_config import DrafterChoice, drafter_config_from_target, drafter_kind, serving_engines
 
 from .conftest import run_stage
 from .test_real_targets import STAGE_SETTINGS
@@ -86,8 +86,8 @@ def test_the_mla_layer_computes_what_transformers_deepseek_v3_attention_computes
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-    from pipeline.training.modeling.blocks import DraftCache
-    from pipeline.training.modeling.drafter import Eagle3Drafter
+    from eagleops.pipeline.training.modeling.blocks import DraftCache
+    from eagleops.pipeline.training.modeling.drafter import Eagle3Drafter
 
     torch.manual_seed(0)
     hidden, heads = 64, 2
@@ -153,7 +153,7 @@ def _expected_tensors(kind: str) -> set[str]:
 def test_each_drafter_trains_resumes_exports_and_evaluates(tmp_path, zoo_model, target, kind):
     from safetensors import safe_open
 
-    from pipeline.training.artifacts import Checkpoint
+    from eagleops.pipeline.training.artifacts import Checkpoint
 
     train = {**STAGE_SETTINGS["train"], "drafter": kind, "checkpoint_every": 3}
     sections = {**STAGE_SETTINGS, "prepare": {"draft_vocab_size": 64, "eval_fraction": 0.2, "eval_max": 2}}

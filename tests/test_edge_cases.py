@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from pipeline.engine import Engine
-from pipeline.generate.replies import MalformedReply, parse_reply
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.generate.replies import MalformedReply, parse_reply
 
 from .conftest import make_config, read_jsonl, write_jsonl
 
@@ -91,7 +91,7 @@ async def test_an_odd_reply_is_retried_and_the_record_counts_its_attempts(tmp_pa
     ],
 )
 def test_the_socket_reads_a_budget_as_the_run_file_does(tokens, needle):
-    from pipeline.protocol.events import command_from_json
+    from eagleops.pipeline.protocol.events import command_from_json
 
     with pytest.raises(ValueError, match=f"budget: tokens: .*{needle}"):
         command_from_json({"cmd": "budget", "dataset": "A", "tokens": tokens})
@@ -105,7 +105,7 @@ def _headless_run(tmp_path, base_url: str) -> list[str]:
         f'name = "{tmp_path.name[:20]}"\noutput_dir = "out"\nconcurrency = 2\n[[endpoints]]\nbase_url = "{base_url}"\nmodel = "m"\n'
         f'[[datasets]]\nname = "S"\npath = "{source}"\ntoken_budget = "1G"\n'
     )
-    return [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"]
+    return [sys.executable, "-m", "eagleops", "run", str(run), "--no-tui"]
 
 
 def _env() -> dict:
@@ -145,8 +145,8 @@ def test_sigterm_before_the_engine_is_up_is_the_clean_kill(tmp_path, fault_serve
 
 
 async def test_a_run_whose_rows_all_failed_does_not_exit_0_and_says_which(tmp_path, fault_server):
-    from pipeline.engine.headless import EXIT_SHORTFALL, exit_code
-    from pipeline.protocol.events import LogEvent
+    from eagleops.pipeline.errors import ExitCode
+    from eagleops.pipeline.protocol.events import LogEvent
 
     failing = write_jsonl(tmp_path / "f.jsonl", [{"id": f"f{i}", "prompt": f"x {i} [[fault:400]]"} for i in range(5)])
     fine = write_jsonl(tmp_path / "g.jsonl", [{"id": f"g{i}", "prompt": f"y {i} [[tokens:3]]"} for i in range(5)])
@@ -155,24 +155,24 @@ async def test_a_run_whose_rows_all_failed_does_not_exit_0_and_says_which(tmp_pa
     subscription = engine.subscribe()
     summary = await engine.run()
     lines = [e.message async for e in subscription if isinstance(e, LogEvent)]
-    assert exit_code(summary) == EXIT_SHORTFALL and summary.shortfalls() == ["F: nothing written (5 rows failed)"]
+    assert summary.exit_code == ExitCode.SHORTFALL and summary.shortfalls() == ["F: nothing written (5 rows failed)"]
     assert any("F: nothing written" in line and "exits with code 3" in line for line in lines)
 
 
 async def test_a_dataset_mostly_failed_passes_max_failed_share_and_a_few_failures_do_not(tmp_path, fault_server):
-    from pipeline.engine.headless import EXIT_OK, EXIT_SHORTFALL, exit_code
+    from eagleops.pipeline.errors import ExitCode
 
     rows = [{"id": f"r{i}", "prompt": f"x {i} " + ("[[fault:400]]" if i < 3 else "[[tokens:3]]")} for i in range(10)]
     source = write_jsonl(tmp_path / "a.jsonl", rows)
     dataset = [{"name": "A", "path": str(source), "token_budget": "1M"}]
     strict = await Engine(make_config(tmp_path / "strict", fault_server.base_url, dataset, max_failed_share=0.2)).run()
-    assert exit_code(strict) == EXIT_SHORTFALL and "3 of 10 rows failed (over max_failed_share 0.2)" in strict.shortfalls()[0]
+    assert strict.exit_code == ExitCode.SHORTFALL and "3 of 10 rows failed (over max_failed_share 0.2)" in strict.shortfalls()[0]
     lenient = await Engine(make_config(tmp_path / "lenient", fault_server.base_url, dataset, max_failed_share=0.5)).run()
-    assert exit_code(lenient) == EXIT_OK
+    assert lenient.exit_code == ExitCode.OK
 
 
 def test_a_retry_kind_is_cut_between_words_not_mid_number():
-    from pipeline.generate.digest import reason_kind
+    from eagleops.pipeline.generate.digest import reason_kind
 
     kind = reason_kind("reply of 33554433 bytes is over the 33554432-byte limit (retry.max_reply_mb)")
     assert kind == "reply of 33554433 bytes is over the..." and len(kind) <= 40
@@ -219,7 +219,7 @@ def test_regenerate_all_holds_the_budget_bound_across_kill_9(tmp_path, fault_ser
 
 async def test_closing_the_socket_under_an_attached_console_reports_no_error(tmp_path):
     """An engine that ends while a console streams its events: the connection just ends."""
-    from pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
+    from eagleops.pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
 
     config = make_config(tmp_path, "http://127.0.0.1:9/v1", [{"name": "A", "path": str(tmp_path / "a.jsonl"), "token_budget": 1}])
     engine = Engine(config, stages=())
@@ -240,8 +240,8 @@ async def test_closing_the_socket_under_an_attached_console_reports_no_error(tmp
 async def test_an_attached_console_hears_why_the_run_exits_as_it_does(tmp_path, fault_server):
     """The engine's last words (here: why it exits with code 3) reach a console over the socket,
     though the socket closes as soon as the engine has ended."""
-    from pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
-    from pipeline.protocol.events import LogEvent
+    from eagleops.pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
+    from eagleops.pipeline.protocol.events import LogEvent
 
     source = write_jsonl(tmp_path / "bad.jsonl", [{"id": f"b{i}", "prompt": f"y {i} [[fault:400]]"} for i in range(3)])
     config = make_config(tmp_path, fault_server.base_url, [{"name": "BAD", "path": str(source), "token_budget": "5k"}])

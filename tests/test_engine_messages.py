@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from pipeline.formats.engine_messages import as_engine_renders
+from eagleops.pipeline.formats.engine_messages import as_engine_renders
 
 from .vllm_support import PYTHON, VLLM_MARKS
 

@@ -21,14 +21,21 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.engine import Engine
-from pipeline.engine.headless import run_headless
-from pipeline.generate import store as store_module
-from pipeline.generate.client import ChatClient, TokenCounter
-from pipeline.generate.endpoints import EndpointPool
-from pipeline.protocol.control import ControlClient, ControlError, ControlServer, checked_runtime_dir, find_sockets, socket_path_for
-from pipeline.protocol.events import DatasetProgress, DatasetState, LogEvent
-from pipeline.servers.supervisor import free_port
+from eagleops.headless import run_headless
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.generate import store as store_module
+from eagleops.pipeline.generate.client import ChatClient, TokenCounter
+from eagleops.pipeline.generate.endpoints import EndpointPool
+from eagleops.pipeline.protocol.control import (
+    ControlClient,
+    ControlError,
+    ControlServer,
+    checked_runtime_dir,
+    find_sockets,
+    socket_path_for,
+)
+from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState, LogEvent
+from eagleops.pipeline.servers.supervisor import free_port
 
 from .conftest import make_config, read_jsonl, write_jsonl
 from .test_generate import prompts, wait_for
@@ -208,8 +215,8 @@ async def test_poisoned_rows_fail_alone_with_file_and_line(tmp_path, fault_serve
 
 
 async def test_a_row_sharing_an_id_with_a_finished_one_is_not_skipped_on_resume(tmp_path):
-    from pipeline.generate.store import DatasetStore
-    from pipeline.sources import Prompt
+    from eagleops.pipeline.generate.store import DatasetStore
+    from eagleops.pipeline.sources import Prompt
 
     source = write_jsonl(tmp_path / "s.jsonl", ["x" * 9] * 10)
     rows = [
@@ -366,7 +373,7 @@ def test_json_into_head_exits_cleanly(tmp_path, fault_server):
         f'[[datasets]]\nname = "A"\npath = "{source}"\ntoken_budget = "1M"\n'
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    shell = f"{sys.executable} -m console.cli run {run} --json | head -3 >/dev/null; exit ${{PIPESTATUS[0]}}"
+    shell = f"{sys.executable} -m eagleops run {run} --json | head -3 >/dev/null; exit ${{PIPESTATUS[0]}}"
     done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert len(read_jsonl(tmp_path / "out" / "A" / "data.jsonl")) == 200  # the run went on to the end
@@ -423,7 +430,7 @@ def test_a_dataset_path_that_is_a_folder_without_data_exits_2(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"], capture_output=True, text=True, env=env, timeout=60
+        [sys.executable, "-m", "eagleops", "run", str(run), "--no-tui"], capture_output=True, text=True, env=env, timeout=60
     )
     assert done.returncode == 2 and "datasets[0].path" in done.stderr and "no data files" in done.stderr
 
@@ -447,7 +454,7 @@ def test_a_storm_of_kills_and_faults_loses_and_duplicates_nothing(tmp_path):
 
 
 def test_a_day_of_failures_does_not_overflow_the_backoff():
-    from pipeline.config import EndpointConfig
+    from eagleops.pipeline.config import EndpointConfig
 
     pool = EndpointPool((EndpointConfig(base_url="http://127.0.0.1:9/v1", model="m"),), base_bench_s=0.5, max_bench_s=30)
     endpoint = pool.endpoints[0]
@@ -460,7 +467,7 @@ def test_requests_failing_together_are_one_failure_and_do_not_bench_the_server()
     """A server that stalls drops every request in flight at once (vLLM's keep-alive timers fire
     late, bench/RESULTS.md, issue 24): that is one failure, not 40, so the endpoint is not benched,
     while failures of requests sent one after another still bench a dead server."""
-    from pipeline.config import EndpointConfig
+    from eagleops.pipeline.config import EndpointConfig
 
     now = [100.0]
     pool = EndpointPool(
@@ -482,7 +489,7 @@ def test_requests_failing_together_are_one_failure_and_do_not_bench_the_server()
 
 
 async def test_a_manifest_that_could_not_be_written_is_written_by_the_next_flush(tmp_path, monkeypatch):
-    from pipeline.generate.store import DatasetStore, WriteFailed
+    from eagleops.pipeline.generate.store import DatasetStore, WriteFailed
 
     source = write_jsonl(tmp_path / "s.jsonl", ["x" * 9] * 4)
     store = DatasetStore(tmp_path / "out", "d", source)
@@ -506,7 +513,7 @@ async def test_a_manifest_that_could_not_be_written_is_written_by_the_next_flush
 
 
 async def test_a_dataset_killed_while_the_disk_is_full_resumes_without_duplicates(tmp_path, fault_server, monkeypatch):
-    from pipeline.protocol.events import Kill, Resume
+    from eagleops.pipeline.protocol.events import Kill, Resume
 
     source = write_jsonl(tmp_path / "a.jsonl", prompts(120, "[[tokens:5]] [[delay:0.01]]", prefix="kfull"))
     other = write_jsonl(tmp_path / "b.jsonl", prompts(40, "[[tokens:5]] [[delay:0.01]]", prefix="kother"))

@@ -10,10 +10,20 @@ from collections import Counter
 
 import pytest
 
-from pipeline.engine import Engine
-from pipeline.engine.headless import run_headless
-from pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
-from pipeline.protocol.events import DatasetProgress, DatasetState, Kill, LogEvent, Pause, Resume, SetBudget, StopReason, event_from_json
+from eagleops.headless import run_headless
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.protocol.control import ControlClient, ControlServer, socket_path_for
+from eagleops.pipeline.protocol.events import (
+    DatasetProgress,
+    DatasetState,
+    Kill,
+    LogEvent,
+    Pause,
+    Resume,
+    SetBudget,
+    StopReason,
+    event_from_json,
+)
 
 from .conftest import make_config, read_jsonl, write_jsonl
 
@@ -119,7 +129,7 @@ async def test_missing_usage_falls_back_to_the_local_tokenizer(tmp_path, fault_s
 
 
 async def test_paid_api_spend_is_counted_and_projected(tmp_path, fault_server):
-    from pipeline.protocol.report import status_line
+    from eagleops.console.report import status_line
 
     source = write_jsonl(tmp_path / "a.jsonl", prompts(10, "[[tokens:50]] [[cost:0.002]]"))
     config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": 1000}], concurrency=1)
@@ -237,10 +247,10 @@ async def test_kill_one_dataset_leaves_the_others_running(tmp_path, fault_server
 
 
 async def test_endpoints_are_load_balanced(tmp_path, fault_server, tmp_path_factory):
-    from pipeline.servers.launch import start_server
+    from eagleops.pipeline.servers.launch import start_server
 
     folder = tmp_path_factory.mktemp("second")
-    with start_server(["pipeline.servers.fault", "--tokens", "5"], folder / "port", log_path=folder / "log") as port:
+    with start_server(["eagleops.pipeline.testservers.fault", "--tokens", "5"], folder / "port", log_path=folder / "log") as port:
         source = write_jsonl(tmp_path / "a.jsonl", prompts(60, "[[delay:0.02]]"))
         endpoints = [
             {"base_url": fault_server.base_url, "model": "m"},
@@ -321,7 +331,7 @@ async def test_two_engines_cannot_share_an_output_dir(tmp_path, fault_server):
     config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}])
     first = Engine(config)
     await first.open()
-    from pipeline.engine import EngineError
+    from eagleops.pipeline.engine import EngineError
 
     with pytest.raises(EngineError, match="another eagleops run"):
         await Engine(config).open()
@@ -420,7 +430,7 @@ class RecordingHost:
 async def test_a_live_budget_is_one_value_the_generate_stage_owns_without_an_engine(tmp_path):
     """Down the layers: stage -> runner -> its limits and its store; the change is durable and
     published, and a reopened stage starts from it, not from the run file."""
-    from pipeline.generate.stage import GenerateStage
+    from eagleops.pipeline.generate.stage import GenerateStage
 
     source = write_jsonl(tmp_path / "a.jsonl", prompts(3))
     config = make_config(tmp_path, "http://127.0.0.1:9", [{"name": "A", "path": str(source), "token_budget": 100}])

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import random
 
-from pipeline.demo.tinymodel import sample_text
-from pipeline.engine import Engine
-from pipeline.generate.fit import PromptFit, TooLong
-from pipeline.protocol.events import DatasetProgress
+from eagleops.pipeline.demo.tinymodel import sample_text
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.generate.fit import PromptFit, TooLong
+from eagleops.pipeline.protocol.events import DatasetProgress
 
 from .conftest import make_config, read_jsonl, run_stage, write_jsonl
 
@@ -37,7 +37,7 @@ def _config(tmp_path, base_url, tiny_model, long_prompts: str):
 
 
 def _prompt_tokens(config, messages) -> int:
-    from pipeline.training.prepare.fit import prompt_counter
+    from eagleops.pipeline.training.prepare.fit import prompt_counter
 
     return prompt_counter(config)(tuple(messages), None, "keep")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import io
 
-from pipeline.engine.headless import _print_loop
-from pipeline.protocol.events import LogEvent, StageMetrics
+from eagleops.headless import _print_loop
+from eagleops.pipeline.protocol.events import LogEvent, StageMetrics
 
 
 class _Engine:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from console.cli import main
-from pipeline.config import load_run
-from pipeline.training.prepare import inspect as inspect_module
-from pipeline.training.prepare.inspect import inspect_run, render_text, visible
+from eagleops.cli import main
+from eagleops.pipeline.config import load_run
+from eagleops.pipeline.training.prepare import inspect as inspect_module
+from eagleops.pipeline.training.prepare.inspect import inspect_run, render_text, visible
 
 from .conftest import write_jsonl
 
@@ -84,7 +84,7 @@ def test_the_plain_rendering_marks_exactly_the_targets_reply(qwen3_run):
 
 def test_the_counts_and_thinking_share_are_what_prepare_trains(qwen3_run):
     report = inspect_run(load_run(qwen3_run), samples_per_dataset=0)
-    from pipeline.training.prepare.chat_template import load_chat_tokenizer
+    from eagleops.pipeline.training.prepare.chat_template import load_chat_tokenizer
 
     tokenizer = load_chat_tokenizer(load_run(qwen3_run).target)
     thinking = _ids(tokenizer, f"<think>\n{THOUGHT}\n</think>\n\n")
@@ -214,8 +214,8 @@ def test_a_sample_whose_prompt_fills_max_length_is_left_out_and_said_so(tmp_path
     """Records from before generate checked lengths (or from another tool): prepare leaves out
     a sample that trains nothing and logs how many and why; inspect counts them and its sample
     header says "left out", not "trained"."""
-    from pipeline.training.context import StageContext
-    from pipeline.training.prepare.stage import prepare
+    from eagleops.pipeline.training.context import StageContext
+    from eagleops.pipeline.training.prepare.stage import prepare
 
     long_question = "Tell me about " + "the sea and the sky " * 60
     records = [_record(i, "keep") for i in range(3)] + [_record(9, "keep", question=long_question)]

@@ -9,9 +9,9 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pipeline.engine.telemetry import server_metrics
-from pipeline.servers.metrics import parse_prometheus
-from pipeline.servers.vllm import read_metrics
+from eagleops.pipeline.engine.telemetry import server_metrics
+from eagleops.pipeline.servers.metrics import parse_prometheus
+from eagleops.pipeline.servers.vllm import read_metrics
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

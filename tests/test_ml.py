@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.engine import Engine
-from pipeline.protocol.events import StageStatus
-from pipeline.training.context import StageContext, StageKilled
-from pipeline.training.prepare.vocab import build_draft_vocab
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.protocol.events import StageStatus
+from eagleops.pipeline.training.context import StageContext, StageKilled
+from eagleops.pipeline.training.prepare.vocab import build_draft_vocab
 
 from .conftest import KillAt, builder_for
 from .conftest import ml_config as _config
@@ -93,7 +93,7 @@ def test_prepare_takes_pre_tokenized_extra_sets(workdir, tiny_model):
     with_extra = _stage(_config(workdir, tiny_model, prepare={"extra": [str(extra)]}), "prepare")
     assert with_extra.samples == plain.samples + 7
     extra.write_text('{"input_ids": [1, 2], "loss_mask": [1]}\n')
-    from pipeline.training.prepare.chat_template import PrepareError
+    from eagleops.pipeline.training.prepare.chat_template import PrepareError
 
     with pytest.raises(PrepareError, match=r"extra.jsonl:1: input_ids and loss_mask must be integer lists of equal length"):
         _stage(_config(workdir, tiny_model, prepare={"extra": [str(extra)], "seed": 1}), "prepare")
@@ -104,7 +104,7 @@ def test_bad_generated_line_names_file_and_line(workdir, tiny_model):
     config = _config(workdir, tiny_model)
     with open(workdir / "out" / "B2" / "data.jsonl", "a") as f:
         f.write('{"id": "x", "conversations": [{"role": "user", "content": "hi"}]}\n')
-    from pipeline.training.prepare.chat_template import PrepareError
+    from eagleops.pipeline.training.prepare.chat_template import PrepareError
 
     with pytest.raises(PrepareError, match=r"B2/data.jsonl:\d+: conversations: must end with an assistant turn"):
         _stage(config, "prepare")
@@ -138,9 +138,9 @@ def test_extracted_states_equal_a_direct_forward(workdir, tiny_model):
 
 @pytest.mark.slow
 def test_device_map_spreads_the_target_and_computes_the_same(tiny_model):
-    from pipeline.config import TargetConfig
-    from pipeline.training.extract.hf import forward_features
-    from pipeline.training.modeling.target import load_target
+    from eagleops.pipeline.config import TargetConfig
+    from eagleops.pipeline.training.extract.hf import forward_features
+    from eagleops.pipeline.training.modeling.target import load_target
 
     rows = [torch.tensor([1, 5, 9, 33, 7]), torch.tensor([1, 8, 2])]
     plain, device, _ = load_target(TargetConfig(model=tiny_model))
@@ -208,7 +208,7 @@ def test_torchrun_two_processes_on_cpu(workdir, tiny_model):
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "pipeline", "train", str(run)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eagleops", "train", str(run)],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -221,7 +221,7 @@ def test_torchrun_two_processes_on_cpu(workdir, tiny_model):
 def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
     from safetensors import safe_open
 
-    from pipeline.training.eval.stage import evaluate
+    from eagleops.pipeline.training.eval.stage import evaluate
 
     from .test_benchmarks import benchmark_tables
 
@@ -282,7 +282,7 @@ def test_end_to_end_trained_drafter_beats_an_untrained_one(workdir, tiny_model):
 
 
 def test_the_target_head_in_chunks_equals_the_whole_head():
-    from pipeline.training.train.loss import target_top_and_draft_probs
+    from eagleops.pipeline.training.train.loss import target_top_and_draft_probs
 
     generator = torch.Generator().manual_seed(0)
     final = torch.randn(2, 9, 16, generator=generator)
@@ -302,7 +302,7 @@ def test_the_target_head_in_chunks_equals_the_whole_head():
 @pytest.fixture(scope="module")
 def moe_target(tmp_path_factory) -> Path:
     """The real users' target's architecture at tiny size: DeepSeek-V3 (MLA, shared + routed experts), sharded."""
-    from pipeline.demo.tinymodel import build_tiny_model
+    from eagleops.pipeline.demo.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("moe") / "tiny-deepseek-v3", architecture="deepseek_v3", layers=4, pretrain_steps=60)
 
@@ -311,7 +311,7 @@ def moe_target(tmp_path_factory) -> Path:
 def test_a_deepseek_v3_moe_target_goes_through_every_stage(workdir, moe_target):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.training.modeling.target import head_and_embeddings
+    from eagleops.pipeline.training.modeling.target import head_and_embeddings
 
     assert json.loads((moe_target / "config.json").read_text())["model_type"] == "deepseek_v3"
     assert len(json.loads((moe_target / "model.safetensors.index.json").read_text())["weight_map"]) > 20  # sharded
@@ -331,7 +331,7 @@ def test_a_deepseek_v3_moe_target_goes_through_every_stage(workdir, moe_target):
 
 def test_tensorboard_reads_our_event_files(tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    from pipeline.training.tracking import Trackers, crc32c
+    from eagleops.pipeline.training.tracking import Trackers, crc32c
 
     assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     trackers = Trackers(tmp_path)
@@ -348,7 +348,7 @@ def test_tensorboard_reads_our_event_files(tmp_path):
 def test_one_byte_features_take_about_half_the_bytes_and_read_back_close(workdir, tiny_model, tmp_path_factory, storage, worst):
     """fp8: e4m3's 3 mantissa bits; int8: a 1/127 step of each vector's largest value but the
     ones kept apart (one per 64 values here)."""
-    from pipeline.training.features.reader import FeatureShards
+    from eagleops.pipeline.training.features.reader import FeatureShards
 
     other = tmp_path_factory.mktemp(storage)
     shutil.copytree(workdir / "data", other / "data")
@@ -372,7 +372,7 @@ def test_one_byte_features_take_about_half_the_bytes_and_read_back_close(workdir
 def test_int8_keeps_outliers_exact_and_the_rest_fine():
     """A large target's residual stream: a few channels far above the rest. Kept apart, they
     do not set the step of every other value (plain per-token int8 would lose those)."""
-    from pipeline.training.features.shards import CODECS
+    from eagleops.pipeline.training.features.shards import CODECS
 
     gen = torch.Generator().manual_seed(0)
     states = torch.randn(64, 3, 1024, generator=gen)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipeline.training.modeling.blocks import DraftCache
-from pipeline.training.train.loss import Eagle3Objective, target_top_and_draft_probs
+from eagleops.pipeline.training.modeling.blocks import DraftCache
+from eagleops.pipeline.training.train.loss import Eagle3Objective, target_top_and_draft_probs
 
 from .test_decoding import _drafter
 

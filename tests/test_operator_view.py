@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from pipeline.engine.telemetry import StaticGpuReader, server_metrics, telemetry_loop
-from pipeline.protocol.events import GpuStats, HostStats
-from pipeline.servers.metrics import parse_prometheus
+from eagleops.pipeline.engine.telemetry import StaticGpuReader, server_metrics, telemetry_loop
+from eagleops.pipeline.protocol.events import GpuStats, HostStats
+from eagleops.pipeline.servers.metrics import parse_prometheus
 
 
 def test_our_model_server_is_not_named_vllm():
@@ -21,7 +21,7 @@ async def test_the_model_server_counts_every_request_it_holds(monkeypatch):
     """32 in flight, none being generated this instant (a batch being collected): 32 wait, not 0."""
     from aiohttp.test_utils import make_mocked_request
 
-    from pipeline.servers.model import ModelServer
+    from eagleops.pipeline.demo.model_server import ModelServer
 
     server = ModelServer.__new__(ModelServer)  # its counters and /metrics, without a model
     server.running, server.accepted = 0, 32
@@ -61,13 +61,13 @@ async def test_the_first_host_cpu_reading_is_not_the_zero_of_a_first_call(monkey
 
 
 def _paid(name: str, state: str, tokens: int, budget: int, cost: float):
-    from pipeline.protocol.events import DatasetProgress, DatasetState
+    from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState
 
     return DatasetProgress(name=name, state=DatasetState(state), tokens=tokens, budget=budget, samples=1, cost=cost)
 
 
 def test_projected_spend_prices_each_dataset_alone_and_only_what_is_to_come():
-    from pipeline.protocol.report import projected_spend, status_line, totals_cells, totals_line
+    from eagleops.console.report import projected_spend, status_line, totals_cells, totals_line
 
     # the one paid dataset has finished: nothing more to pay, however big the free ones' budgets
     finished_paid = [_paid("paid", "done", 1000, 1000, 1.00), _paid("free", "running", 2_420, 1_000_000, 0.0)]
@@ -86,7 +86,7 @@ T0 = 1_780_000_000.0
 
 
 def _state(*events):
-    from console.state import ConsoleState
+    from eagleops.console.state import ConsoleState
 
     state = ConsoleState()
     for event in events:
@@ -95,7 +95,7 @@ def _state(*events):
 
 
 def _live_run(**kw):
-    from pipeline.protocol.events import DatasetProgress, DatasetState, RunPhase, RunState, StageState, StageStatus
+    from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState, RunPhase, RunState, StageState, StageStatus
 
     return [
         RunState("kimi-drafter", kw.pop("phase", RunPhase.LIVE), T0, kw.pop("exit_code", None), kw.pop("ended_at", None), at=T0),
@@ -106,7 +106,7 @@ def _live_run(**kw):
 
 
 def test_the_status_line_says_run_state_elapsed_rate_eta_and_spend_in_80_columns():
-    from console.panes.status import run_status_text
+    from eagleops.console.panes.status import run_status_text
 
     text = run_status_text(_state(*_live_run()), 78, now=T0 + 754)
     assert text.plain == "kimi-drafter  ● live  12m34s  7.2k tok/s  ETA 5m00s  spend $1.00/$2.00", text.plain
@@ -118,8 +118,8 @@ def test_the_status_line_says_run_state_elapsed_rate_eta_and_spend_in_80_columns
 
 
 def test_the_status_line_says_how_the_run_ended_and_clears_what_is_no_longer_live():
-    from console.panes.status import run_state_word, run_status_text
-    from pipeline.protocol.events import RunPhase
+    from eagleops.console.panes.status import run_state_word, run_status_text
+    from eagleops.pipeline.protocol.events import RunPhase
 
     for code, word, colour in (
         (0, "done", "green"),
@@ -139,7 +139,7 @@ def test_the_status_line_says_how_the_run_ended_and_clears_what_is_no_longer_liv
 
 
 def test_failures_per_minute_come_from_the_counts_over_the_last_minute():
-    from pipeline.protocol.events import DatasetProgress, DatasetState
+    from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState
 
     state = _state(*[DatasetProgress("a", DatasetState.RUNNING, 1, 10, 1, failures=n, at=T0 + t) for t, n in ((0, 5), (30, 15), (60, 35))])
     assert state.failures_per_minute(T0 + 60) == 30.0  # 30 new in the minute; the 5 it came with are old
@@ -150,8 +150,8 @@ def test_failures_per_minute_come_from_the_counts_over_the_last_minute():
 
 
 def test_a_finished_dataset_is_done_with_its_overshoot_and_a_lowered_budget_finishing():
-    from pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
-    from pipeline.protocol.report import dataset_cells
+    from eagleops.console.report import dataset_cells
+    from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
 
     assert dataset_cells(DatasetProgress("a", DatasetState.DONE, 10_012, 10_000, 5))["state"] == "done +12"
     assert dataset_cells(DatasetProgress("a", DatasetState.DONE, 10_000, 10_000, 5))["state"] == "done"
@@ -161,8 +161,8 @@ def test_a_finished_dataset_is_done_with_its_overshoot_and_a_lowered_budget_fini
 
 
 def test_failure_counts_are_coloured_by_their_share_of_the_rows():
-    from console.panes.datasets import failure_level
-    from pipeline.protocol.events import DatasetProgress, DatasetState
+    from eagleops.console.panes.datasets import failure_level
+    from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState
 
     assert failure_level(DatasetProgress("a", DatasetState.RUNNING, 1, 10, 1000, failures=1)) == ""
     assert failure_level(DatasetProgress("a", DatasetState.RUNNING, 1, 10, 1000, failures=20)) == "warn"
@@ -172,7 +172,7 @@ def test_failure_counts_are_coloured_by_their_share_of_the_rows():
 def test_log_lines_are_coloured_by_level():
     from rich.text import Text
 
-    from console.logview import LevelHighlighter, stamped
+    from eagleops.console.logview import LevelHighlighter, stamped
 
     error, warning = Text("12:00:01 ERROR   a.jsonl:3 (p3): HTTP 400"), Text("12:00:01 WARNING 3 retries in 5s")
     LevelHighlighter().highlight(error)
@@ -182,7 +182,7 @@ def test_log_lines_are_coloured_by_level():
 
 
 def test_permanent_failures_past_a_datasets_first_few_are_grouped():
-    from pipeline.generate.digest import FailureDigest
+    from eagleops.pipeline.generate.digest import FailureDigest
 
     lines = []
     digest = FailureDigest(lambda level, message, dataset: lines.append((level, message, dataset)), interval_s=5)
@@ -195,7 +195,7 @@ def test_permanent_failures_past_a_datasets_first_few_are_grouped():
 
 
 def test_attach_takes_the_socket_option_the_several_engines_error_names():
-    from console.cli import _parser
+    from eagleops.cli import _parser
 
     args = _parser().parse_args(["attach", "--socket", "/run/x.sock"])
     assert str(args.socket or args.socket_option) == "/run/x.sock"
@@ -205,8 +205,8 @@ def test_attach_takes_the_socket_option_the_several_engines_error_names():
 
 
 async def test_when_the_engine_goes_without_a_last_word_nothing_looks_live():
-    from console.app import EagleOpsApp
-    from console.panes import DatasetsTable, RunStatus
+    from eagleops.console.app import EagleOpsApp
+    from eagleops.console.panes import DatasetsTable, RunStatus
 
     from .test_console import ScriptedLink, _at, _settle, fixed_events
 
@@ -222,9 +222,9 @@ async def test_when_the_engine_goes_without_a_last_word_nothing_looks_live():
 
 
 async def test_q_asks_before_stopping_an_in_process_run_in_its_ml_stages():
-    from console.app import EagleOpsApp
-    from console.screens import ConfirmScreen
-    from pipeline.protocol.events import DatasetProgress, DatasetState, RunPhase, RunState, StageState, StageStatus
+    from eagleops.console.app import EagleOpsApp
+    from eagleops.console.screens import ConfirmScreen
+    from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState, RunPhase, RunState, StageState, StageStatus
 
     from .test_console import ScriptedLink, _at, _settle
 
@@ -247,7 +247,7 @@ async def test_q_asks_before_stopping_an_in_process_run_in_its_ml_stages():
 
 
 async def test_dialogs_are_ascii_on_an_ascii_terminal_and_centred(monkeypatch):
-    from console.app import EagleOpsApp
+    from eagleops.console.app import EagleOpsApp
 
     from .test_console import ScriptedLink, _at, _eight_datasets, _settle
 
@@ -272,8 +272,8 @@ async def test_dialogs_are_ascii_on_an_ascii_terminal_and_centred(monkeypatch):
 
 
 async def test_help_at_80x24_wraps_each_line_under_its_own_column():
-    from console.app import EagleOpsApp
-    from console.screens import HelpScreen
+    from eagleops.console.app import EagleOpsApp
+    from eagleops.console.screens import HelpScreen
 
     from .test_console import ScriptedLink, _at, _settle, fixed_events
 
@@ -289,7 +289,7 @@ async def test_help_at_80x24_wraps_each_line_under_its_own_column():
 
 
 def _training_events():
-    from pipeline.protocol.events import (
+    from eagleops.pipeline.protocol.events import (
         DatasetProgress,
         DatasetState,
         GpuStats,
@@ -326,7 +326,7 @@ def _training_events():
 
 
 def test_the_ml_view_shows_trains_loss_accuracy_rate_checkpoint_and_memory():
-    from console.panes.training import training_lines
+    from eagleops.console.panes.training import training_lines
 
     lines = training_lines(_state(*_training_events()), 76, 14, now=T0)
     text = "\\n".join(lines)
@@ -339,8 +339,8 @@ def test_the_ml_view_shows_trains_loss_accuracy_rate_checkpoint_and_memory():
 
 
 async def test_while_train_runs_its_view_takes_the_tables_place_and_p_pauses_it():
-    from console.app import EagleOpsApp
-    from console.panes import DatasetsTable, TrainingView
+    from eagleops.console.app import EagleOpsApp
+    from eagleops.console.panes import DatasetsTable, TrainingView
 
     from .test_console import ScriptedLink, _at, _settle
 
@@ -358,8 +358,8 @@ async def test_while_train_runs_its_view_takes_the_tables_place_and_p_pauses_it(
 
 
 async def test_a_command_shows_on_its_row_at_once_not_at_the_next_tick():
-    from console.app import EagleOpsApp
-    from console.panes import DatasetsTable
+    from eagleops.console.app import EagleOpsApp
+    from eagleops.console.panes import DatasetsTable
 
     from .test_console import ScriptedLink, _at, _settle, fixed_events
 
@@ -374,9 +374,9 @@ async def test_a_command_shows_on_its_row_at_once_not_at_the_next_tick():
 
 
 async def test_o_opens_the_log_whole_so_a_long_line_can_be_read():
-    from console.app import EagleOpsApp
-    from console.screens import LogScreen
-    from pipeline.protocol.events import LogEvent
+    from eagleops.console.app import EagleOpsApp
+    from eagleops.console.screens import LogScreen
+    from eagleops.pipeline.protocol.events import LogEvent
 
     from .test_console import ScriptedLink, _at, _settle, fixed_events
 
@@ -395,8 +395,8 @@ async def test_o_opens_the_log_whole_so_a_long_line_can_be_read():
 
 
 def test_summaries_leave_a_piece_out_whole_never_cut_a_number():
-    from pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
-    from pipeline.protocol.report import status_line, totals_line
+    from eagleops.console.report import status_line, totals_line
+    from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
 
     many = [
         DatasetProgress(
@@ -428,8 +428,8 @@ def test_the_readmes_screenshots_are_the_snapshot_tests_screens():
 
 
 def test_a_paused_stage_says_so_and_every_line_fits():
-    from console.panes.training import training_lines
-    from pipeline.protocol.events import StageState, StageStatus
+    from eagleops.console.panes.training import training_lines
+    from eagleops.pipeline.protocol.events import StageState, StageStatus
 
     state = _state(*_training_events(), StageState("train", StageStatus.PAUSED, at=T0))
     for width in (76, 118, 196):  # the content widths at 80x24, 120x40, 200x60
@@ -439,7 +439,7 @@ def test_a_paused_stage_says_so_and_every_line_fits():
 
 
 def test_the_ml_view_of_a_gone_engine_says_its_figures_are_not_live():
-    from console.panes.training import training_lines
+    from eagleops.console.panes.training import training_lines
 
     state = _state(*_training_events())
     state.lose_engine(T0 + 5)
@@ -449,7 +449,7 @@ def test_the_ml_view_of_a_gone_engine_says_its_figures_are_not_live():
 def test_a_column_once_shown_stays_while_the_numbers_grow():
     """The Think column vanished mid-run at 80 columns when the token counts grew: the name now
     gives up width for it."""
-    from console.panes.datasets import COLUMNS, layout
+    from eagleops.console.panes.datasets import COLUMNS, layout
 
     early = {key: len(label) for key, label, _ in COLUMNS} | {"dataset": 16, "state": 7, "tokens": 9, "samples": 7}
     shown = {key for key, _, _ in layout(early, 78)}
@@ -463,9 +463,9 @@ def test_a_column_once_shown_stays_while_the_numbers_grow():
 async def test_the_log_follows_new_lines_after_an_attach_and_a_cleared_filter():
     """An attached console gets the engine's last 50 lines at once, before its layout: the log
     stayed on the oldest and never followed the new ones."""
-    from console.app import EagleOpsApp
-    from console.logview import LogView
-    from pipeline.protocol.events import LogEvent
+    from eagleops.console.app import EagleOpsApp
+    from eagleops.console.logview import LogView
+    from eagleops.pipeline.protocol.events import LogEvent
 
     from .test_console import ScriptedLink, _at, _settle, fixed_events
 
@@ -493,8 +493,8 @@ async def test_the_log_follows_new_lines_after_an_attach_and_a_cleared_filter():
 
 
 async def test_once_the_engine_is_gone_its_commands_are_off_and_its_death_is_said():
-    from console.app import EagleOpsApp
-    from console.panes import StagesPane
+    from eagleops.console.app import EagleOpsApp
+    from eagleops.console.panes import StagesPane
 
     from .test_console import ScriptedLink, _at, _log_lines, _settle, fixed_events
 
@@ -514,7 +514,7 @@ async def test_once_the_engine_is_gone_its_commands_are_off_and_its_death_is_sai
 
 
 async def test_the_table_keys_are_off_while_the_ml_view_is_in_its_place():
-    from console.app import EagleOpsApp
+    from eagleops.console.app import EagleOpsApp
 
     from .test_console import ScriptedLink, _at, _log_lines, _settle
 
@@ -530,10 +530,10 @@ async def test_the_table_keys_are_off_while_the_ml_view_is_in_its_place():
 
 def test_paused_work_shows_no_rate_and_no_eta():
     """Pausing kept the rate meter's last seconds on screen (2.68k tok/s, 19 steps/s, an ETA)."""
-    from console.panes.status import run_status_text
-    from console.panes.training import training_lines
-    from pipeline.protocol.events import DatasetProgress, DatasetState, StageState, StageStatus
-    from pipeline.protocol.report import dataset_cells, totals_cells
+    from eagleops.console.panes.status import run_status_text
+    from eagleops.console.panes.training import training_lines
+    from eagleops.console.report import dataset_cells, totals_cells
+    from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState, StageState, StageStatus
 
     paused = DatasetProgress("a", DatasetState.PAUSED, 500, 1000, 10, tok_per_s=2680.0, req_per_s=3.0, eta_s=30.0)
     cells = dataset_cells(paused)
@@ -547,9 +547,9 @@ def test_paused_work_shows_no_rate_and_no_eta():
 
 def test_a_console_attaching_mid_train_gets_the_loss_curve_so_far(tmp_path):
     """An attached console plotted the loss only from its attach on (71 of 124 logged steps)."""
-    from console.state import ConsoleState
-    from pipeline.engine import Engine
-    from pipeline.protocol.events import StageMetrics
+    from eagleops.console.state import ConsoleState
+    from eagleops.pipeline.engine import Engine
+    from eagleops.pipeline.protocol.events import StageMetrics
 
     from .conftest import make_config, write_jsonl
 
@@ -568,9 +568,9 @@ def test_a_stages_rate_leaves_out_its_pauses_and_a_resumes_earlier_work(monkeypa
     paused seconds counted as work; a resumed train's earlier steps counted as this run's."""
     import threading
 
-    from pipeline.protocol.events import StageProgress
-    from pipeline.training import context as context_module
-    from pipeline.training.context import StageContext
+    from eagleops.pipeline.protocol.events import StageProgress
+    from eagleops.pipeline.training import context as context_module
+    from eagleops.pipeline.training.context import StageContext
 
     now = [1000.0]
     monkeypatch.setattr(context_module.time, "monotonic", lambda: now[0])
@@ -594,7 +594,7 @@ def test_a_stages_rate_leaves_out_its_pauses_and_a_resumes_earlier_work(monkeypa
 
 
 def test_a_resumed_datasets_rate_is_measured_from_its_resume():
-    from pipeline.generate.endpoints import RateMeter
+    from eagleops.pipeline.generate.endpoints import RateMeter
 
     now = [0.0]
     meter = RateMeter(window_s=30, clock=lambda: now[0])

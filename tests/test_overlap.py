@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.engine import Engine
-from pipeline.errors import ConfigError, RunError
-from pipeline.protocol.events import LogEvent, StageStatus
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.errors import ConfigError, RunError
+from eagleops.pipeline.protocol.events import LogEvent, StageStatus
 
 from .conftest import ml_config, run_stage
 
@@ -152,7 +152,7 @@ def _run_file(config, folder: Path) -> Path:
 @pytest.mark.timeout(900)  # several torchrun jobs: a loaded 2-core machine runs them 4x slower
 def test_a_bounded_overlap_killed_9_resumes_on_the_same_curve(reference, tiny_model, tmp_path):
     config, _ = _bounded(reference, tiny_model, tmp_path)
-    command = [sys.executable, "-m", "console.cli", "run", str(_run_file(config, tmp_path)), "--no-tui"]
+    command = [sys.executable, "-m", "eagleops", "run", str(_run_file(config, tmp_path)), "--no-tui"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for kill_after in (4, 12):  # shards trained on (and deleted) when the whole run is SIGKILLed
         proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
@@ -194,7 +194,7 @@ def test_a_two_rank_fsdp_train_follows_an_extract_process(reference, tiny_model,
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
     def torchrun_train(run: Path) -> subprocess.Popen:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "pipeline", "train"]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eagleops", "train"]
         return subprocess.Popen(
             [*command, str(run)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
@@ -221,7 +221,7 @@ def test_a_two_rank_fsdp_train_follows_an_extract_process(reference, tiny_model,
     watch.start()
     try:
         extract = subprocess.Popen(
-            [sys.executable, "-m", "console.cli", "extract", str(run), "--no-tui"],
+            [sys.executable, "-m", "eagleops", "extract", str(run), "--no-tui"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )  # fmt: skip
         train = torchrun_train(run)
@@ -235,9 +235,9 @@ def test_a_two_rank_fsdp_train_follows_an_extract_process(reference, tiny_model,
 
 
 def test_a_following_train_takes_no_index_of_other_features(tmp_path):
-    from pipeline.training.artifacts import FeaturesIndex
-    from pipeline.training.context import StageKilled
-    from pipeline.training.features.reader import FeatureShards
+    from eagleops.pipeline.training.artifacts import FeaturesIndex
+    from eagleops.pipeline.training.context import StageKilled
+    from eagleops.pipeline.training.features.reader import FeatureShards
 
     from .conftest import KillAt
 
@@ -258,8 +258,8 @@ def test_the_room_made_for_a_shard_holds_it_whatever_its_samples(storage, tmp_pa
     since the next may hold longer samples (a CI run wrote past the cache that way)."""
     import torch
 
-    from pipeline.training.artifacts import FeaturesIndex
-    from pipeline.training.features.shards import HEADER_BYTES, shard_bytes_bound, write_feature_shard
+    from eagleops.pipeline.training.artifacts import FeaturesIndex
+    from eagleops.pipeline.training.features.shards import HEADER_BYTES, shard_bytes_bound, write_feature_shard
 
     index = FeaturesIndex("prep", [1, 40, 77], 7168, 80, "m", storage=storage, samples=3, shard_samples=3)
     lengths = [5, 130, 61]
@@ -274,8 +274,8 @@ def test_the_room_made_for_a_shard_holds_it_whatever_its_samples(storage, tmp_pa
 
 def test_a_consumed_shard_holds_room_until_its_file_is_gone(tmp_path):
     """Train records a shard consumed before deleting it: until the file goes, its bytes count."""
-    from pipeline.training.artifacts import FeatureShard, FeaturesIndex
-    from pipeline.training.features.cache import ConsumedShards, live_bytes
+    from eagleops.pipeline.training.artifacts import FeatureShard, FeaturesIndex
+    from eagleops.pipeline.training.features.cache import ConsumedShards, live_bytes
 
     index = FeaturesIndex("prep", [1, 2, 3], 64, 6, "m", samples=8, shard_samples=4)
     index.shards = {"shard-00000.safetensors": FeatureShard(0, 4, 40, 1000), "shard-00001.safetensors": FeatureShard(4, 4, 40, 900)}

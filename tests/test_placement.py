@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from pipeline import placement
+from eagleops.pipeline import placement
 
 
 def test_core_lists_read_and_write_as_taskset_does():

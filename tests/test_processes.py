@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.servers.launch import start_server
+from eagleops.pipeline.servers.launch import start_server
 
 from .conftest import read_jsonl, write_jsonl
 
@@ -29,7 +29,7 @@ def _env() -> dict:
 
 
 def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "console.cli", *args], capture_output=True, text=True, env=_env(), timeout=120, **kwargs)
+    return subprocess.run([sys.executable, "-m", "eagleops", *args], capture_output=True, text=True, env=_env(), timeout=120, **kwargs)
 
 
 def _write_run(tmp_path: Path, base_url: str, datasets: list[tuple[str, Path, str]], *, concurrency: int = 8, extra: str = "") -> Path:
@@ -45,7 +45,7 @@ def _write_run(tmp_path: Path, base_url: str, datasets: list[tuple[str, Path, st
 
 def _headless(run: Path) -> subprocess.Popen:
     """``eagleops run --no-tui`` in the background, its output readable by the test."""
-    command = [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"]
+    command = [sys.executable, "-m", "eagleops", "run", str(run), "--no-tui"]
     return subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -54,7 +54,7 @@ def _kill_9_repeatedly(run: Path, rng: random.Random, *, times: int, window: tup
     kills = 0
     for _ in range(times):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"],
+            [sys.executable, "-m", "eagleops", "run", str(run), "--no-tui"],
             env=_env(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -72,7 +72,7 @@ def _kill_9_repeatedly(run: Path, rng: random.Random, *, times: int, window: tup
 def test_kill_9_at_random_moments_loses_and_duplicates_nothing(tmp_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("flaky")
     # random transient faults too: retries in flight when the kill lands
-    argv = ["pipeline.servers.fault", "--tokens", "7", "--latency", "0.12", "--fault-rate", "0.15", "--seed", "3"]
+    argv = ["eagleops.pipeline.testservers.fault", "--tokens", "7", "--latency", "0.12", "--fault-rate", "0.15", "--seed", "3"]
     with start_server(argv, folder / "port", log_path=folder / "log") as port:
         rows = [{"id": f"a{i}", "prompt": f"alpha {i}"} for i in range(600)]
         rows[123] = "{torn source line"
@@ -147,7 +147,7 @@ def test_generate_against_the_real_tiny_model_server(tmp_path, tiny_model):
     folder = tmp_path / "srv"
     folder.mkdir()
     with start_server(
-        ["pipeline.servers.model", "--model", str(tiny_model), "--name", "tiny"], folder / "port", log_path=folder / "log"
+        ["eagleops.pipeline.demo.model_server", "--model", str(tiny_model), "--name", "tiny"], folder / "port", log_path=folder / "log"
     ) as port:
         source = write_jsonl(
             tmp_path / "a.jsonl", [{"id": f"t{i}", "messages": [{"role": "user", "content": f"explain the cache {i}"}]} for i in range(40)]
@@ -175,7 +175,7 @@ def test_generate_against_the_real_tiny_model_server(tmp_path, tiny_model):
 @pytest.mark.slow
 def test_the_readme_demo_runs_offline(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "console.cli", "demo", "--no-tui", "--dir", str(tmp_path / "demo")],
+        [sys.executable, "-m", "eagleops", "demo", "--no-tui", "--dir", str(tmp_path / "demo")],
         capture_output=True, text=True, env=_env(), timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -187,7 +187,7 @@ def test_the_readme_demo_runs_offline(tmp_path):
     evaluation = json.loads((tmp_path / "demo" / "out" / "eval.json").read_text())
     assert evaluation["acceptance_length"] > 1.5 and evaluation["greedy_mismatches"] == 0
     again = subprocess.run(
-        [sys.executable, "-m", "console.cli", "demo", "--no-tui", "--dir", str(tmp_path / "demo")],
+        [sys.executable, "-m", "eagleops", "demo", "--no-tui", "--dir", str(tmp_path / "demo")],
         capture_output=True,
         text=True,
         env=_env(),
@@ -201,7 +201,9 @@ def test_the_readme_demo_runs_offline(tmp_path):
 @pytest.mark.slow
 def test_kill_9_in_the_middle_of_conversations_leaves_no_half_record(tmp_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("multi")
-    with start_server(["pipeline.servers.fault", "--tokens", "5", "--latency", "0.1"], folder / "port", log_path=folder / "log") as port:
+    with start_server(
+        ["eagleops.pipeline.testservers.fault", "--tokens", "5", "--latency", "0.1"], folder / "port", log_path=folder / "log"
+    ) as port:
         rows = [
             {
                 "id": f"c{i}",

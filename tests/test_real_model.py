@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.config import parse_run
-from pipeline.engine import Engine
-from pipeline.training.context import StageContext
+from eagleops.pipeline.config import parse_run
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.training.context import StageContext
 
 from .conftest import read_jsonl, trained_spans
 from .vllm_support import SERVE, VLLM_MARKS, in_fp32
@@ -56,8 +56,8 @@ def _run_config(folder: Path, model: Path, sharegpt: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> dict[str, Any]:
-    from pipeline.demo.real import sharegpt_file, smollm2_checkpoint
-    from pipeline.training.eval.stage import evaluate
+    from eagleops.pipeline.demo.real import sharegpt_file, smollm2_checkpoint
+    from eagleops.pipeline.training.eval.stage import evaluate
 
     folder = tmp_path_factory.mktemp("real")
     config = _run_config(folder, smollm2_checkpoint(), sharegpt_file())
@@ -88,7 +88,7 @@ def test_prompts_too_long_to_train_are_skipped_unsent_and_requests_fit_the_sampl
 def test_prepare_renders_what_vllm_rendered_and_trains_each_reply_as_emitted(real_run):
     from transformers import AutoTokenizer
 
-    from pipeline.training.artifacts import load_prepared
+    from eagleops.pipeline.training.artifacts import load_prepared
 
     config = real_run["config"]
     index, samples = load_prepared(config.prepared_dir)

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from pipeline.config import TargetConfig, parse_run
-from pipeline.errors import ConfigError
+from eagleops.pipeline.config import TargetConfig, parse_run
+from eagleops.pipeline.errors import ConfigError
 
 from .conftest import run_stage
 
@@ -60,7 +60,7 @@ def test_prepare_refuses_a_tokenizer_that_is_the_models_own_code_without_the_opt
 
 
 def test_loading_a_model_that_is_its_own_code_names_the_opt_in(zoo_model):
-    from pipeline.training.modeling.target import load_target
+    from eagleops.pipeline.training.modeling.target import load_target
 
     with pytest.raises(ConfigError, match=r"\[target\] trust_remote_code"):
         load_target(TargetConfig(model=zoo_model("kimi-k2.5")))
@@ -87,7 +87,7 @@ def test_a_wrapped_targets_head_and_embeddings_come_from_its_weight_map(zoo_mode
     import torch
     from safetensors import safe_open
 
-    from pipeline.training.modeling.target import head_and_embeddings
+    from eagleops.pipeline.training.modeling.target import head_and_embeddings
 
     folder = zoo_model("kimi-k2.5")
     head, embeddings = head_and_embeddings(folder)
@@ -101,8 +101,8 @@ def test_a_wrapped_targets_head_and_embeddings_come_from_its_weight_map(zoo_mode
 def test_extract_reads_a_wrapped_targets_decoder_stack(zoo_model):
     import torch
 
-    from pipeline.training.extract.hf import forward_features
-    from pipeline.training.modeling.target import load_target
+    from eagleops.pipeline.training.extract.hf import forward_features
+    from eagleops.pipeline.training.modeling.target import load_target
 
     model, device, _ = load_target(TargetConfig(model=zoo_model("kimi-k2.5"), trust_remote_code=True))
     ids = torch.tensor([5, 6, 7, 8])
@@ -126,7 +126,7 @@ def test_any_wrappers_language_model_is_found_beside_its_vision_tower(tmp_path, 
     import torch
     from safetensors.torch import save_file
 
-    from pipeline.training.modeling.target import language_model_weights
+    from eagleops.pipeline.training.modeling.target import language_model_weights
 
     config = {"architectures": ["SomeVLForConditionalGeneration"], "vision_config": {"depth": 2}}
     config["text_config"] = {"num_hidden_layers": 2, "hidden_size": 4, "vocab_size": 10}
@@ -149,8 +149,8 @@ def test_prepare_and_the_drafter_agree_on_the_heads_rows_when_the_tokenizer_is_s
     take the head's rows, or training crashes on the mismatch."""
     from safetensors.torch import load_file
 
-    from pipeline.training.artifacts import DRAFT_VOCAB, PreparedIndex
-    from pipeline.training.modeling.drafter import build_drafter
+    from eagleops.pipeline.training.artifacts import DRAFT_VOCAB, PreparedIndex
+    from eagleops.pipeline.training.modeling.drafter import build_drafter
 
     config = _config(tmp_path, zoo_model("qwen3-8b"))
     run_stage(config, "prepare")
@@ -166,8 +166,8 @@ def test_prepare_and_the_drafter_agree_on_the_heads_rows_when_the_tokenizer_is_s
 
 @pytest.mark.parametrize("target", ["deepseek-v3.1", "kimi-k2.5", "gpt-oss-20b", "qwen3-8b"])
 def test_the_speculators_config_names_the_verifiers_own_architecture(target, zoo_files):
-    from pipeline.training.artifacts import CaptureLayout
-    from pipeline.training.export.speculators import speculators_config
+    from eagleops.pipeline.training.artifacts import CaptureLayout
+    from eagleops.pipeline.training.export.speculators import speculators_config
 
     folder = zoo_files(target)
     server = {"draft_vocab_size": 64, "target_hidden_size": 64, "hidden_size": 64}
@@ -192,8 +192,8 @@ async def test_a_real_targets_stand_in_goes_through_every_stage(tmp_path, zoo_mo
     (tokenizers shorter than the head): generate (a server answering as the model does, thinking
     included, whole chats and chats after a tool call), prepare, extract, train, export and eval
     run; eval replays the prompts the server was fed; the export names the real verifier."""
-    from pipeline.engine import Engine
-    from pipeline.protocol.events import StageStatus
+    from eagleops.pipeline.engine import Engine
+    from eagleops.pipeline.protocol.events import StageStatus
 
     from .conftest import make_config
     from .test_zoo_pipeline import SERVED_AS, _sources
@@ -240,7 +240,7 @@ def _own_tokenizer(folder, target):
 
 @pytest.mark.parametrize("target", sorted(TURN_ENDS))
 def test_the_turn_end_is_learned_from_the_chat_template(target, zoo_files):
-    from pipeline.training.modeling.turns import reply_stop_ids, turn_ends
+    from eagleops.pipeline.training.modeling.turns import reply_stop_ids, turn_ends
 
     folder = zoo_files(target)
     tokenizer = _own_tokenizer(folder, target)
@@ -278,7 +278,7 @@ def test_eval_stops_a_kimi_reply_at_its_turn_end(tmp_path, zoo_model, monkeypatc
     generation_config's eos ids), or it measures acceptance on text the target never serves."""
     from transformers import AutoTokenizer
 
-    import pipeline.training.eval.stage as eval_stage
+    import eagleops.pipeline.training.eval.stage as eval_stage
 
     folder = zoo_model("kimi-k2.5")
     sections = {**STAGE_SETTINGS, "prepare": {"draft_vocab_size": 64, "eval_fraction": 0.1, "eval_max": 2}}
@@ -301,7 +301,7 @@ def test_speculative_decoding_stops_on_any_of_the_replys_stop_ids():
     """gpt-oss and Llama-3.1 list several eos ids: the reply ends at the first of any of them."""
     import torch
 
-    from pipeline.training.eval.decoding import speculative_generate
+    from eagleops.pipeline.training.eval.decoding import speculative_generate
 
     script = [5, 6, 9, 7, 8]  # the target's greedy continuation; 9 is one of several stop ids
 
@@ -343,7 +343,7 @@ OWN_SWITCH = {
 
 @pytest.mark.parametrize("target", sorted(OWN_SWITCH))
 def test_thinking_off_is_learned_from_the_chat_template(target, zoo_files):
-    from pipeline.training.modeling.thinking_switch import thinking_off_kwargs
+    from eagleops.pipeline.training.modeling.thinking_switch import thinking_off_kwargs
 
     assert thinking_off_kwargs(_own_tokenizer(zoo_files(target), target)) == OWN_SWITCH[target]
 
@@ -351,7 +351,7 @@ def test_thinking_off_is_learned_from_the_chat_template(target, zoo_files):
 async def test_generate_turns_thinking_off_with_the_targets_own_switch(tmp_path, zoo_files, fault_server):
     """Kimi-K2.5's template reads `thinking`, not `enable_thinking`: generate asks for what the
     configured target reads; without a target, the run file's `thinking_off_kwargs` says."""
-    from pipeline.engine import Engine
+    from eagleops.pipeline.engine import Engine
 
     from .conftest import make_config, write_jsonl
 
@@ -381,7 +381,7 @@ async def test_generate_turns_thinking_off_with_the_targets_own_switch(tmp_path,
     ],
 )
 async def test_generate_asks_for_thinking_in_the_targets_own_words(tmp_path, zoo_files, fault_server, target, thinking, counted):
-    from pipeline.engine import Engine
+    from eagleops.pipeline.engine import Engine
 
     from .conftest import make_config, write_jsonl
 
@@ -399,7 +399,7 @@ def test_the_model_server_stops_on_every_eos_id_the_model_lists(target, zoo_file
     loopback model server stops on each, as vLLM does, not only on the tokenizer's eos."""
     from transformers import GenerationConfig
 
-    from pipeline.servers.model import reply_stop_ids
+    from eagleops.pipeline.demo.model_server import reply_stop_ids
 
     folder = zoo_files(target)
     tokenizer = _own_tokenizer(folder, target)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline.generate.replies import parse_reply
+from eagleops.pipeline.generate.replies import parse_reply
 
 from .conftest import ml_config, run_stage, write_jsonl
 
@@ -45,7 +45,7 @@ def test_prepare_trains_on_the_prompt_the_server_fed_the_target(tmp_path, tiny_m
     write_jsonl(config.output_dir / "B1" / "data.jsonl", records)
     index = run_stage(config, "prepare")
     assert index.served_prompts == 1 and index.prompt_mismatches == 1
-    from pipeline.training.artifacts import load_prepared
+    from eagleops.pipeline.training.artifacts import load_prepared
 
     _, samples = load_prepared(config.prepared_dir)
     ids = [s[0].tolist() for s in samples]

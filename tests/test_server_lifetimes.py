@@ -26,9 +26,9 @@ import aiohttp
 import psutil
 import pytest
 
-from pipeline.config import EndpointConfig
-from pipeline.generate.endpoints import EndpointPool
-from pipeline.servers.supervisor import ServerFailed, SupervisedServer, stop_group
+from eagleops.pipeline.config import EndpointConfig
+from eagleops.pipeline.generate.endpoints import EndpointPool
+from eagleops.pipeline.servers.supervisor import ServerFailed, SupervisedServer, stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_VLLM = ROOT / "bench" / "fake_vllm.py"
@@ -100,7 +100,7 @@ def _fake_server(name: str, tmp_path: Path, pids: Path, **options) -> Supervised
 _ENGINE = """
 import sys, threading, time
 from pathlib import Path
-from pipeline.servers.supervisor import SupervisedServer
+from eagleops.pipeline.servers.supervisor import SupervisedServer
 folder, fake, pids = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 server = SupervisedServer("vllm-generate", lambda port: [sys.executable, fake, "--port", str(port)],
                           log_path=folder / "servers" / "vllm-generate.log", env={"FAKE_VLLM_PIDS": pids}, startup_timeout_s=60)

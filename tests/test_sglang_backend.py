@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import sys
 
-from pipeline.config import parse_run
-from pipeline.training.context import StageContext
-from pipeline.training.eval.served import evaluate_sglang
+from eagleops.pipeline.config import parse_run
+from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.eval.served import evaluate_sglang
 
 FAKE = """
 import json, sys

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.training.artifacts import CaptureLayout
-from pipeline.training.modeling.drafter import EXPORTED_PREFIXES, Eagle3Drafter
-from pipeline.training.modeling.drafter_config import (
+from eagleops.pipeline.training.artifacts import CaptureLayout
+from eagleops.pipeline.training.modeling.drafter import EXPORTED_PREFIXES, Eagle3Drafter
+from eagleops.pipeline.training.modeling.drafter_config import (
     DrafterChoice,
     drafter_config_from_target,
     exported_capture,
@@ -30,7 +30,7 @@ from pipeline.training.modeling.drafter_config import (
     serving_engines,
     sglang_unservable,
 )
-from pipeline.training.modeling.layers import default_aux_layers
+from eagleops.pipeline.training.modeling.layers import default_aux_layers
 
 from .zoo.build import TARGETS, real_config, text_config_of, tiny_config
 

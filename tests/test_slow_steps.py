@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pipeline.protocol.events import StageMetrics, StageProgress, StageState, StageStatus
-from pipeline.protocol.report import format_rate, plot, stage_progress_line
-from pipeline.training.context import StageContext
+from eagleops.console.report import format_rate, plot, stage_progress_line
+from eagleops.pipeline.protocol.events import StageMetrics, StageProgress, StageState, StageStatus
+from eagleops.pipeline.training.context import StageContext
 
 
 def test_a_slow_rate_keeps_its_significant_figures():
@@ -39,7 +39,7 @@ def test_a_few_logged_losses_span_the_plots_width():
 
 async def test_an_attached_console_gets_each_stages_last_progress_at_once(tmp_path):
     """The snapshot a new subscriber gets holds train's progress, not only its state."""
-    from pipeline.engine import Engine
+    from eagleops.pipeline.engine import Engine
 
     from .conftest import make_config, write_jsonl
 
@@ -58,8 +58,8 @@ async def test_an_attached_console_gets_each_stages_last_progress_at_once(tmp_pa
 
 
 def test_the_ml_view_from_a_snapshot_shows_steps_bar_rate_and_eta():
-    from console.panes.training import training_lines
-    from console.state import ConsoleState
+    from eagleops.console.panes.training import training_lines
+    from eagleops.console.state import ConsoleState
 
     state = ConsoleState()
     for event in (

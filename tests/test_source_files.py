@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from pipeline.errors import InputError
-from pipeline.sources import BadLine, Prompt, Source, SourceReader, find_shards
+from eagleops.pipeline.errors import InputError
+from eagleops.pipeline.sources import BadLine, Prompt, Source, SourceReader, find_shards
 
 from .conftest import read_jsonl, write_jsonl
 
@@ -164,7 +164,7 @@ def test_a_json_array_item_larger_than_the_read_window(tmp_path):
 
 
 def test_resume_refuses_a_source_whose_shards_changed(tmp_path):
-    from pipeline.generate.store import DatasetStore, StoreError
+    from eagleops.pipeline.generate.store import DatasetStore, StoreError
 
     folder = tmp_path / "shards"
     folder.mkdir()
@@ -213,7 +213,7 @@ def test_parquet_hf_and_compressed_sources_survive_kill_9(tmp_path, fault_server
         f'[datasets.fields]\nconversation = "chat"\nrole = "speaker"\ncontent = "text"\nid = "key"\nroles = {{ USER = "user" }}\n'
         f'[[datasets]]\nname = "ZS"\npath = "{tmp_path / "z.jsonl.zst"}"\ntoken_budget = "1G"\nformat = "openai"\n'
     )
-    command = [sys.executable, "-m", "console.cli", "run", str(run), "--no-tui"]
+    command = [sys.executable, "-m", "eagleops", "run", str(run), "--no-tui"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     for delay in (1.2, 0.9, 1.4):
         proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -245,7 +245,7 @@ def test_sources_command_shows_rows_as_read(tmp_path, sources):
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     done = subprocess.run(
-        [sys.executable, "-m", "console.cli", "sources", str(run), "--rows", "2"], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "eagleops", "sources", str(run), "--rows", "2"], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2  # W's map does not fit: said before any request
     assert "data/train-00000-of-00001.parquet (parquet" in done.stdout and "23 rows in 6 row groups" in done.stdout
@@ -295,8 +295,8 @@ def test_an_empty_user_turn_does_not_refuse_the_row(tmp_path):
     """Published chats (ShareGPT among them) hold empty turns, mid-way or at the end: `last`
     regenerates the reply to the last user turn with words, `all` drops only the trailing empty
     turn; a row is refused only when no user turn has words."""
-    from pipeline.config import field_map
-    from pipeline.sources import RowError, read_row
+    from eagleops.pipeline.config import field_map
+    from eagleops.pipeline.sources import RowError, read_row
 
     fields = field_map("sharegpt", None, "id")
     turns = [

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from pipeline.generate.store import DatasetStore, StoreError
-from pipeline.sources import BadLine, Prompt, SourceReader, prompt_id_for
+from eagleops.pipeline.generate.store import DatasetStore, StoreError
+from eagleops.pipeline.sources import BadLine, Prompt, SourceReader, prompt_id_for
 
 from .conftest import read_jsonl, write_jsonl
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.engine import Engine
-from pipeline.errors import ConfigError
-from pipeline.protocol.events import StageStatus
-from pipeline.servers.supervisor import ServerFailed, SupervisedServer
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.errors import ConfigError
+from eagleops.pipeline.protocol.events import StageStatus
+from eagleops.pipeline.servers.supervisor import ServerFailed, SupervisedServer
 
 from .conftest import make_config, write_jsonl
 
@@ -35,7 +35,7 @@ def _fault_server(tmp_path: Path, events: list[tuple[str, str]] | None = None, *
     log = (lambda level, message: events.append((level, message))) if events is not None else (lambda level, message: None)
     return SupervisedServer(
         "fault",
-        lambda port: [sys.executable, "-m", "pipeline.servers.fault", "--port", str(port)],
+        lambda port: [sys.executable, "-m", "eagleops.pipeline.testservers.fault", "--port", str(port)],
         log_path=tmp_path / "fault.log",
         log=log,
         startup_timeout_s=60,
@@ -132,7 +132,7 @@ def test_a_server_that_dies_for_good_is_reported_once(tmp_path):
 
 def test_a_kill_stops_a_server_still_loading(tmp_path):
     """`eagleops kill` during a slow vLLM start must not wait minutes for it."""
-    from pipeline.training.context import StageContext, StageKilled, serving
+    from eagleops.pipeline.training.context import StageContext, StageKilled, serving
 
     ctx = StageContext("eval")
     hang = SupervisedServer("slow", lambda port: [sys.executable, "-c", "import time; time.sleep(600)"], log_path=tmp_path / "slow.log")

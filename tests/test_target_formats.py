@@ -107,7 +107,7 @@ def _spans(builder, samples) -> list[str]:
 
 
 def _check(builder, samples, mode: str) -> None:
-    from pipeline.training.prepare.check import trained_problems
+    from eagleops.pipeline.training.prepare.check import trained_problems
 
     for sample in samples:
         assert trained_problems(builder.tokenizer, sample, mode, builder.stop_ids) == []
@@ -143,7 +143,7 @@ NEEDS_TEXT_ARGUMENTS = {"deepseek-v3.1"}
 
 @pytest.mark.parametrize("target", THINKERS)
 def test_a_reply_after_a_tool_result_is_trained_as_written(builders, target):
-    from pipeline.training.prepare.chat_template import PrepareError
+    from eagleops.pipeline.training.prepare.chat_template import PrepareError
 
     b = builders(target)
     if target in NEEDS_TEXT_ARGUMENTS:
@@ -156,7 +156,7 @@ def test_a_reply_after_a_tool_result_is_trained_as_written(builders, target):
 
 
 def test_llama_cannot_show_kept_thinking_and_says_what_to_do(builders):
-    from pipeline.training.prepare.chat_template import PrepareError
+    from eagleops.pipeline.training.prepare.chat_template import PrepareError
 
     with pytest.raises(PrepareError, match='turn 1: the chat template shows no thinking.*thinking = "drop"'):
         builders("llama-3.1-8b-instruct").build(_one(), [1], "keep")
@@ -225,7 +225,7 @@ def test_drop_with_the_servers_ids_trains_only_the_answer(builders, target):
     ],
 )
 def test_inline_thinking_is_split_from_the_answer_in_every_form(content, reasoning, answer, thought):
-    from pipeline.formats.thinking import split_thinking
+    from eagleops.pipeline.formats.thinking import split_thinking
 
     assert split_thinking(content, reasoning) == (answer, thought)
 
@@ -252,10 +252,10 @@ def test_a_reply_cut_while_thinking_is_trained_without_a_close_or_an_end(builder
 
 
 async def test_a_regenerated_chat_records_every_replys_ids():
-    from pipeline.generate.client import Completion
-    from pipeline.generate.conversation import regenerate_all
-    from pipeline.generate.records import generated_record
-    from pipeline.sources import Prompt
+    from eagleops.pipeline.generate.client import Completion
+    from eagleops.pipeline.generate.conversation import regenerate_all
+    from eagleops.pipeline.generate.records import generated_record
+    from eagleops.pipeline.sources import Prompt
 
     class Client:
         calls = 0
@@ -288,7 +288,7 @@ def test_the_check_reads_a_reply_as_the_server_decoded_it(builders, target, mode
     what it wrote, while vLLM's reasoning parser strips those tags from the text it returns.
     The check on the first samples compares the text as the server decoded it, not only our
     decoding: before, one such reply among a dataset's first eight stopped prepare (CI)."""
-    from pipeline.training.prepare.check import trained_problems
+    from eagleops.pipeline.training.prepare.check import trained_problems
 
     b = builders(target)
     wrote_thought, wrote_answer = "Two <think>plus two", "It is</think> 4."

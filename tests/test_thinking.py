@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from pipeline.engine import Engine
-from pipeline.generate.replies import parse_reply, request_fields
-from pipeline.protocol.events import StopReason
-from pipeline.protocol.report import status_line
+from eagleops.console.report import status_line
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.generate.replies import parse_reply, request_fields
+from eagleops.pipeline.protocol.events import StopReason
 
 from .conftest import builder_for, make_config, read_jsonl, trained_spans, write_jsonl
 
@@ -147,7 +147,7 @@ VERBATIM = (  # renders content as given: nothing says how the target writes its
 
 @pytest.mark.slow
 def test_kept_thinking_a_template_cannot_show_is_refused_unless_the_servers_ids_say_how(builder, tokenizer):
-    from pipeline.training.prepare.chat_template import PrepareError
+    from eagleops.pipeline.training.prepare.chat_template import PrepareError
 
     verbatim = _with_template(builder, VERBATIM)
     with pytest.raises(PrepareError, match='shows no thinking.*thinking = "drop"'):

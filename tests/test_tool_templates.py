@@ -213,7 +213,7 @@ def _spans(builder, samples) -> list[str]:
 
 
 def _problems(builder, samples, mode: str) -> list[str]:
-    from pipeline.training.prepare.check import trained_problems
+    from eagleops.pipeline.training.prepare.check import trained_problems
 
     return [p for sample in samples for p in trained_problems(builder.tokenizer, sample, mode, builder.stop_ids)]
 
@@ -350,7 +350,7 @@ def test_gpt_oss_calls_are_trained_as_the_server_returned_them(builders, mode):
 def test_gpt_oss_call_without_the_servers_ids_under_drop_is_refused(builders):
     """Its analysis before a call does not end in the final channel its answers' format closes
     with: the thinking cannot be told apart from a rebuilt call, and prepare says so."""
-    from pipeline.training.prepare.chat_template import PrepareError
+    from eagleops.pipeline.training.prepare.chat_template import PrepareError
 
     messages = _conversation("gpt-oss-20b", thinking=True, parallel=False)
     with pytest.raises(PrepareError, match="turn 2 calls tools .* generate from a server that returns token ids"):
@@ -377,7 +377,7 @@ def test_mistral_words_the_template_drops_are_trained_from_the_servers_ids(build
 @pytest.mark.parametrize("mode", ["keep", "drop", "off"])
 @pytest.mark.parametrize("trained", [[2, 5, 7, 9], [5, 9]])
 def test_deepseek_v31_cannot_render_the_calls_vllm_gives_it(builders, mode, trained):
-    from pipeline.training.prepare.chat_template import PrepareError
+    from eagleops.pipeline.training.prepare.chat_template import PrepareError
 
     messages = _conversation("deepseek-v3.1", thinking=mode != "off")
     with pytest.raises(PrepareError, match=r"arguments parsed into objects\): can only concatenate str \(not \"dict\"\)"):
@@ -386,7 +386,7 @@ def test_deepseek_v31_cannot_render_the_calls_vllm_gives_it(builders, mode, trai
 
 @pytest.mark.parametrize("mode", ["drop", "off"])
 def test_llama_refuses_parallel_calls_as_its_template_does(builders, mode):
-    from pipeline.training.prepare.chat_template import PrepareError
+    from eagleops.pipeline.training.prepare.chat_template import PrepareError
 
     messages = _conversation("llama-3.1-8b-instruct", thinking=False)
     with pytest.raises(PrepareError, match="This model only supports single tool-calls at once"):
@@ -396,7 +396,7 @@ def test_llama_refuses_parallel_calls_as_its_template_does(builders, mode):
 def test_mistral_refuses_call_ids_it_could_not_have_written(builders):
     """Its template takes nine-character ids only, as vLLM's Mistral parser writes them; an
     OpenAI-style id in the history is refused by the template, here as in the engine."""
-    from pipeline.training.prepare.chat_template import PrepareError
+    from eagleops.pipeline.training.prepare.chat_template import PrepareError
 
     messages = _conversation("mistral-small-3.2", thinking=False)
     messages[2]["tool_calls"][0]["id"] = messages[3]["tool_call_id"] = "call_weather_0"
@@ -406,7 +406,7 @@ def test_mistral_refuses_call_ids_it_could_not_have_written(builders):
 
 @pytest.mark.parametrize("target", ["qwen3-coder-30b-a3b", "mistral-small-3.2"])
 def test_kept_thinking_on_a_target_that_shows_none_is_refused(builders, target):
-    from pipeline.training.prepare.chat_template import PrepareError
+    from eagleops.pipeline.training.prepare.chat_template import PrepareError
 
     messages = _conversation(target, thinking=True)
     with pytest.raises(PrepareError, match='turn 5: the chat template shows no thinking.*thinking = "drop"'):
@@ -414,7 +414,7 @@ def test_kept_thinking_on_a_target_that_shows_none_is_refused(builders, target):
 
 
 def _run_with_thinking(folder, thinking: str):
-    from pipeline.config import parse_run
+    from eagleops.pipeline.config import parse_run
 
     (folder / "src.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
     data = {
@@ -432,8 +432,8 @@ def _run_with_thinking(folder, thinking: str):
 def test_thinking_off_is_refused_only_where_the_prompt_forces_thinking(builders, tmp_path, target):
     """Qwen3-Thinking-2507 opens <think> in every generation prompt and reads no switch: off is
     refused, naming the modes that work; the others can answer without thinking."""
-    from pipeline.errors import ConfigError
-    from pipeline.training.modeling.thinking_switch import require_thinking_can_stop
+    from eagleops.pipeline.errors import ConfigError
+    from eagleops.pipeline.training.modeling.thinking_switch import require_thinking_can_stop
 
     tokenizer = builders(target).tokenizer
     require_thinking_can_stop(_run_with_thinking(tmp_path, "keep"), tokenizer)
@@ -503,10 +503,10 @@ def _thinking_2507_target(zoo_model, folder):
 def _records(thinking: str) -> list[dict]:
     """Records as generate writes them: a reply after another model's parallel calls and their
     results, and a reply that is itself parallel calls (the record ends there)."""
-    from pipeline.generate.client import Completion
-    from pipeline.generate.conversation import assistant_turn
-    from pipeline.generate.records import generated_record
-    from pipeline.sources import Prompt
+    from eagleops.pipeline.generate.client import Completion
+    from eagleops.pipeline.generate.conversation import assistant_turn
+    from eagleops.pipeline.generate.records import generated_record
+    from eagleops.pipeline.sources import Prompt
 
     records = []
     for i, city in enumerate(CITIES):
@@ -552,7 +552,7 @@ def test_a_thinking_2507_target_with_tool_calls_goes_through_every_stage(tmp_pat
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from pipeline.config import parse_run
+    from eagleops.pipeline.config import parse_run
 
     from .conftest import run_stage, write_jsonl
 

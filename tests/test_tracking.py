@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.training.tracking import Trackers
+from eagleops.pipeline.training.tracking import Trackers
 
 _BLOCK = 32768
 _HEADER = 7  # ":W&B", a 2-byte magic, a version byte

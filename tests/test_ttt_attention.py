@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.training.modeling import ttt_attention as attention
+from eagleops.pipeline.training.modeling import ttt_attention as attention
 
 
 @pytest.fixture

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import parse_run
-from pipeline.demo.demo import write_demo_datasets
-from pipeline.engine import Engine
-from pipeline.protocol.events import StageStatus
-from pipeline.servers.vllm import launch_for, read_metrics, vllm_server
-from pipeline.training.artifacts import FeaturesIndex
-from pipeline.training.context import StageContext, StageKilled
+from eagleops.pipeline.config import parse_run
+from eagleops.pipeline.demo.demo import write_demo_datasets
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.protocol.events import StageStatus
+from eagleops.pipeline.servers.vllm import launch_for, read_metrics, vllm_server
+from eagleops.pipeline.training.artifacts import FeaturesIndex
+from eagleops.pipeline.training.context import StageContext, StageKilled
 
 from .conftest import read_jsonl
 from .vllm_support import SERVE as CPU_SERVE
@@ -107,7 +107,7 @@ def test_generate_token_totals_equal_vllm_counters(whole_run, tmp_path):
 
 def test_served_acceptance_equals_the_offline_eval(whole_run):
     """vLLM in fp32 (as the offline eval computes), greedy: the same tokens, the same acceptance."""
-    from pipeline.training.eval.stage import evaluate
+    from eagleops.pipeline.training.eval.stage import evaluate
 
     from .test_benchmarks import benchmark_tables
 
@@ -155,7 +155,7 @@ class KillInSecondShard(StageContext):
 def test_features_captured_through_vllm_equal_the_hf_backend(whole_run, tmp_path):
     """The same prepared tokens, through vLLM's model (fp32 here, to compare like with like),
     a shard's prompts in flight at once and batched by vLLM's scheduler."""
-    from pipeline.training.extract.stage import extract
+    from eagleops.pipeline.training.extract.stage import extract
 
     config, _ = whole_run
     shutil.copytree(config.prepared_dir, tmp_path / "out" / "prepared")

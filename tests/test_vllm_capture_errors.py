@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import RunError
-from pipeline.servers import vllm_capture
-from pipeline.servers.vllm import VllmLaunch, launch_for
-from pipeline.training.extract.served import _rpc, capture_launch, is_multimodal, vllm_said
+from eagleops.pipeline.errors import RunError
+from eagleops.pipeline.servers import vllm_capture
+from eagleops.pipeline.servers.vllm import VllmLaunch, launch_for
+from eagleops.pipeline.training.extract.served import _rpc, capture_launch, is_multimodal, vllm_said
 
 from .test_real_targets import _config as zoo_run_config
 

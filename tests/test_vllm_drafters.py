@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from pipeline.training.context import StageContext
+from eagleops.pipeline.training.context import StageContext
 
 from .conftest import run_stage
 from .test_vllm_zoo import KIMI, REAL_LATENT, SECTIONS, _drafting_failure, _run_config, _write_the_targets_greedy_replies, zoo_target
@@ -32,7 +32,7 @@ PAIRS = [("llama-3.1-8b-instruct", "eagle3.1"), (REAL_LATENT, "mla3.1"), (KIMI, 
 
 @pytest.mark.parametrize(("target", "kind"), PAIRS)
 def test_vllm_serves_the_drafter_with_the_acceptance_measured_offline(tmp_path, zoo_model, target, kind):
-    from pipeline.training.eval.stage import evaluate
+    from eagleops.pipeline.training.eval.stage import evaluate
 
     cannot = CANNOT_SERVE.get((target, kind))
     # a drafter vLLM cannot serve has only to be exported: one epoch on the zoo's fixed chats

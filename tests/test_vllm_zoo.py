@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.errors import RunError
-from pipeline.training.artifacts import EvalResult
-from pipeline.training.context import StageContext
+from eagleops.pipeline.errors import RunError
+from eagleops.pipeline.training.artifacts import EvalResult
+from eagleops.pipeline.training.context import StageContext
 
 from .conftest import run_stage
 from .test_real_targets import STAGE_SETTINGS
@@ -122,8 +122,8 @@ def _write_the_targets_greedy_replies(config: Any) -> None:
     """The records generate would write had the target answered each question greedily: its
     exact reply ids (prepare trains on those), cut at REPLY_TOKENS. Decoded as eval decodes, so a
     wrapper without ``generate`` (Kimi-K2.5's) answers too."""
-    from pipeline.training.eval.decoding import CachedTarget, greedy_generate
-    from pipeline.training.modeling.target import load_target, load_target_tokenizer
+    from eagleops.pipeline.training.eval.decoding import CachedTarget, greedy_generate
+    from eagleops.pipeline.training.modeling.target import load_target, load_target_tokenizer
 
     model, device, _ = load_target(config.target)
     tokenizer = load_target_tokenizer(config.target)
@@ -142,7 +142,7 @@ def _write_the_targets_greedy_replies(config: Any) -> None:
 
 def _drafting_failure(config: Any) -> str:
     """The error and vLLM's log of the eval's start with the drafter, expected to fail."""
-    from pipeline.training.eval.stage import evaluate
+    from eagleops.pipeline.training.eval.stage import evaluate
 
     try:
         evaluate(config, StageContext("eval"), backend="vllm")
@@ -158,8 +158,8 @@ def _hf_features_with_vllms_latent_norm_eps(config: Any, like: Path, aux_layers:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pipeline.training.extract.hf import forward_features
-    from pipeline.training.modeling.target import decoder_stack, load_target
+    from eagleops.pipeline.training.extract.hf import forward_features
+    from eagleops.pipeline.training.modeling.target import decoder_stack, load_target
 
     model, device, _ = load_target(config.target)
     eps = float((getattr(model.config, "text_config", None) or model.config).rms_norm_eps)
@@ -187,7 +187,7 @@ def served_target(request, tmp_path_factory, zoo_model) -> ServedTarget:
     features captured again and its drafter evaluated again, both through vLLM (fp32). A target
     vLLM cannot draft for trains one epoch on the zoo's fixed chats (its drafter has only to be
     exported) and goes without the offline eval; vLLM's start with its drafter is expected to fail."""
-    from pipeline.training.eval.stage import evaluate
+    from eagleops.pipeline.training.eval.stage import evaluate
 
     target = request.param
     drafts = target not in CANNOT_DRAFT
@@ -299,7 +299,7 @@ def test_the_speculators_export_loads_alone(served_target, tmp_path):
 def test_vllm_still_cannot_serve_a_stand_in(target, zoo_model, tmp_path):
     """vLLM starts on the stand-in, then fails its first forward with the words CANNOT_SERVE
     gives. Once it serves it, this fails: move the target to TARGETS."""
-    from pipeline.servers.vllm import VllmLaunch, complete_ids, vllm_server
+    from eagleops.pipeline.servers.vllm import VllmLaunch, complete_ids, vllm_server
 
     says, why = CANNOT_SERVE[target]
     launch = VllmLaunch(

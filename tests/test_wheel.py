@@ -19,14 +19,14 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 THEME_FILES = ("base.tcss", "dark.tcss", "light.tcss")
 # what the build reads; copied so that building leaves no build/ or egg-info in the tree
-BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "console", "pipeline", "themes")
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "eagleops", "console", "pipeline", "themes")
 
 # Runs in the venv: the console headless on a link with no engine, its stylesheet read back, q to leave.
 START_CONSOLE = """
 import asyncio, json, sys
-import console
-from console.app import EagleOpsApp
-from console.panes import ServerPane
+import eagleops.console as console
+from eagleops.console.app import EagleOpsApp
+from eagleops.console.panes import ServerPane
 
 class NoEngine:
     attached = True
@@ -91,8 +91,10 @@ def test_the_wheel_installs_and_its_console_starts_with_its_theme(tmp_path):
     (wheel,) = wheels.glob("eagleops-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    assert {f"console/themes/{name}" for name in THEME_FILES} <= names
-    assert "pipeline/__main__.py" in names and not any(name.startswith(("themes/", "tests/")) for name in names)
+    assert {f"eagleops/themes/{name}" for name in THEME_FILES} <= names
+    assert {"eagleops/__main__.py", "eagleops/pipeline/engine/engine.py", "eagleops/console/app.py"} <= names
+    # one namespace: nothing else lands on sys.path (pipeline and console are other PyPI projects' names)
+    assert {name.split("/")[0] for name in names if not name.startswith("eagleops-")} == {"eagleops"}
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
@@ -104,14 +106,17 @@ def test_the_wheel_installs_and_its_console_starts_with_its_theme(tmp_path):
     (installed / "_tests_site_packages.pth").write_text(outer)
     _run([str(python), "-m", "pip", "install", "--no-deps", "--ignore-installed", str(wheel)], cwd=tmp_path)
 
-    elsewhere = tmp_path / "elsewhere"  # not the checkout: `import console` must not find it there
+    elsewhere = tmp_path / "elsewhere"  # not the checkout: `import eagleops` must not find it there
     elsewhere.mkdir()
     seen = json.loads(_run([str(python), "-c", START_CONSOLE], cwd=elsewhere).stdout.strip().splitlines()[-1])
     assert Path(seen["console"]).is_relative_to(installed), seen["console"]
-    assert [Path(css).relative_to(installed).as_posix() for css in seen["css"]] == ["console/themes/base.tcss", "console/themes/light.tcss"]
+    assert [Path(css).relative_to(installed).as_posix() for css in seen["css"]] == [
+        "eagleops/themes/base.tcss",
+        "eagleops/themes/light.tcss",
+    ]
     assert seen["server_pane_width"] == "2fr"  # base.tcss
     assert seen["background"] == "#FAFAFA"  # light.tcss
     assert seen["exit"] == 0  # q detached from the (absent) engine and closed the console
 
     assert "usage: eagleops" in _run([str(venv / "bin" / "eagleops"), "--help"], cwd=elsewhere).stdout
-    assert "torchrun" in _run([str(python), "-m", "pipeline", "--help"], cwd=elsewhere).stdout
+    assert "torchrun" in _run([str(python), "-m", "eagleops", "--help"], cwd=elsewhere).stdout

@@ -13,11 +13,17 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.errors import InputError
-from pipeline.servers.vllm import PYTHON_ENV
-from pipeline.training.artifacts import CaptureLayout
-from pipeline.training.modeling.drafter_config import drafter_config_from_target, exported_config
-from pipeline.training.modeling.rope import attention_factor, engine_rope_mismatches, engine_rope_scaling, legacy_engine_warning, rope_table
+from eagleops.pipeline.errors import InputError
+from eagleops.pipeline.servers.vllm import PYTHON_ENV
+from eagleops.pipeline.training.artifacts import CaptureLayout
+from eagleops.pipeline.training.modeling.drafter_config import drafter_config_from_target, exported_config
+from eagleops.pipeline.training.modeling.rope import (
+    attention_factor,
+    engine_rope_mismatches,
+    engine_rope_scaling,
+    legacy_engine_warning,
+    rope_table,
+)
 
 from .zoo.build import materialize
 
@@ -181,7 +187,7 @@ def _speculators(server: dict[str, Any], layout: CaptureLayout) -> dict[str, Any
     """The speculators-format export, the verifier's architectures given (no checkpoint here)."""
     from unittest import mock
 
-    from pipeline.training.export.speculators import speculators_config
+    from eagleops.pipeline.training.export.speculators import speculators_config
 
-    with mock.patch("pipeline.training.export.speculators.verifier_architectures", lambda _: ["DeepseekV3ForCausalLM"]):
+    with mock.patch("eagleops.pipeline.training.export.speculators.verifier_architectures", lambda _: ["DeepseekV3ForCausalLM"]):
         return speculators_config(server, layout, Path("/verifier"), 3)

@@ -88,7 +88,7 @@ def _expected(target: str, thinking: str, records: list[dict]) -> list[str]:
 async def test_generate_then_prepare_trains_what_the_target_emitted(tmp_path, zoo_model, fault_server, target, thinking):
     from transformers import AutoTokenizer
 
-    from pipeline.engine import Engine
+    from eagleops.pipeline.engine import Engine
 
     if target == "llama-3.1-8b-instruct" and thinking == "keep":
         pytest.skip("Llama-3.1 does not think; its template cannot show thinking (refusal tested in test_target_formats)")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.servers.vllm import PYTHON_ENV, read_metrics
+from eagleops.pipeline.servers.vllm import PYTHON_ENV, read_metrics
 
 PYTHON = os.environ.get(PYTHON_ENV, "")
 VLLM_MARKS = [
@@ -75,8 +75,8 @@ def bf16_mismatch_share(reference: Path, served: Path, shards: Sequence[str]) ->
 def drafts_of_the_export_served_alone(drafter: Path, log_path: Path, prompt: Sequence[int], serve: dict[str, Any]) -> float:
     """`vllm serve DRAFTER_DIR`: vLLM finds the verifier through the speculators config; the
     number of drafts it made while completing ``prompt`` (more than none: the drafter ran)."""
-    from pipeline.servers.supervisor import LOOPBACK, SupervisedServer
-    from pipeline.servers.vllm import complete_ids
+    from eagleops.pipeline.servers.supervisor import LOOPBACK, SupervisedServer
+    from eagleops.pipeline.servers.vllm import complete_ids
 
     argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(drafter), "--served-model-name", "t"]
     argv += ["--max-model-len", str(serve["max_model_len"])]

@@ -1,1 +1,1 @@
-"""The console's themes (*.tcss), installed as ``console.themes`` and read through importlib.resources."""
+"""The console's themes (*.tcss), installed as ``eagleops.themes`` and read through importlib.resources."""

@@ -11,8 +11,8 @@ from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
 
-from pipeline.protocol.events import DatasetProgress
-from pipeline.protocol.report import dataset_cells, totals_cells
+from eagleops.console.report import dataset_cells, totals_cells
+from eagleops.pipeline.protocol.events import DatasetProgress
 
 from ..keymap import DATASET_KEYS, bindings
 from ..terminal import to_ascii

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.protocol.report import format_bytes, sparkline
+from eagleops.console.report import format_bytes, sparkline
 
 from ..state import ConsoleState
 from .text import TextPane

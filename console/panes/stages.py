@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pipeline.config import ALL_STAGES
-from pipeline.protocol.events import StageStatus
-from pipeline.protocol.report import format_duration, sparkline
+from eagleops.console.report import format_duration, sparkline
+from eagleops.pipeline.protocol.events import StageStatus
+from eagleops.pipeline.stages import STAGE_NAMES
 
 from ..state import ConsoleState
 from .text import TextPane
@@ -29,7 +29,7 @@ class StagesPane(TextPane):
 
     def render_state(self, state: ConsoleState, width: int = 30) -> None:
         lines = []
-        for name in ALL_STAGES:
+        for name in STAGE_NAMES:
             stage = state.stages.get(name)
             status = stage.status if stage else StageStatus.PENDING
             if status == StageStatus.SKIPPED:

@@ -11,8 +11,8 @@ from rich.text import Text
 from textual.geometry import Region
 from textual.widget import Widget
 
-from pipeline.protocol.events import DatasetState, RunPhase, StageStatus
-from pipeline.protocol.report import format_duration, format_rate, projected_spend, run_eta_s
+from eagleops.console.report import format_duration, format_rate, projected_spend, run_eta_s
+from eagleops.pipeline.protocol.events import DatasetState, RunPhase, StageStatus
 
 from ..state import ConsoleState
 from ..terminal import to_ascii

@@ -9,9 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from pipeline.config import ALL_STAGES
-from pipeline.protocol.events import StageStatus
-from pipeline.protocol.report import (
+from eagleops.console.report import (
     format_bytes,
     format_duration,
     format_rate,
@@ -21,13 +19,13 @@ from pipeline.protocol.report import (
     progress_bar,
     sparkline,
 )
+from eagleops.pipeline.protocol.events import StageStatus
+from eagleops.pipeline.stages import COMPUTE_STAGES
 
 from ..state import ConsoleState
 from .text import TextPane
 
-__all__ = ["COMPUTE_STAGES", "TrainingView", "running_compute_stage", "training_lines"]
-
-COMPUTE_STAGES = tuple(s for s in ALL_STAGES if s != "generate")
+__all__ = ["TrainingView", "running_compute_stage", "training_lines"]
 
 
 def running_compute_stage(state: ConsoleState) -> str | None:

@@ -1,12 +1,11 @@
 """The run file: tables declared once (``run``), parsed and documented by ``schema``.
 
-``python -m pipeline.config [docs/run-file.md]`` prints the reference, or rewrites it in that file.
+``python -m eagleops.pipeline.config [docs/run-file.md]`` prints the reference, or rewrites it in that file.
 """
 
 from ..errors import ConfigError
 from .fields import field_map
 from .run import (
-    ALL_STAGES,
     DRAFTERS,
     DatasetConfig,
     EndpointConfig,
@@ -25,7 +24,6 @@ from .run import (
 from .tokens import format_tokens, parse_tokens
 
 __all__ = [
-    "ALL_STAGES",
     "DRAFTERS",
     "ConfigError",
     "DatasetConfig",

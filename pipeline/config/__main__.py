@@ -1,7 +1,7 @@
 """Print the run file reference, or rewrite it between a document's markers:
 
-python -m pipeline.config                   # print
-python -m pipeline.config docs/run-file.md  # update the reference in place
+python -m eagleops.pipeline.config                   # print
+python -m eagleops.pipeline.config docs/run-file.md  # update the reference in place
 """
 
 from __future__ import annotations

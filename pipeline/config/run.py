@@ -12,13 +12,13 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..placement import is_cpu_list
+from ..stages import STAGE_NAMES
 from .fields import FORMATS, FieldsConfig
 from .ml import DRAFTERS, EvalConfig, ExtractConfig, PrepareConfig, TrainConfig
 from .request_fields import REQUEST_FIELDS
 from .schema import Check, Table, at_least, finite_at_least, matches, one_of, parse_table, setting, within
 
 __all__ = [
-    "ALL_STAGES",
     "DRAFTERS",
     "DatasetConfig",
     "EndpointConfig",
@@ -35,7 +35,6 @@ __all__ = [
     "parse_run",
 ]
 
-ALL_STAGES = ("generate", "prepare", "extract", "train", "export", "eval")
 THINKING = ("keep", "drop", "off")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
@@ -210,7 +209,7 @@ class RunConfig:
     stages: tuple[str, ...] | None = setting(
         None,
         "stages to run, in pipeline order; default all with `[target]`, else generate",
-        check=Check(lambda v: all(s in ALL_STAGES for s in v), f"stages are {', '.join(ALL_STAGES)}"),
+        check=Check(lambda v: all(s in STAGE_NAMES for s in v), f"stages are {', '.join(STAGE_NAMES)}"),
     )
     sampling: SamplingConfig = setting(SamplingConfig())
     retry: RetryConfig = setting(RetryConfig())
@@ -248,10 +247,10 @@ class RunConfig:
             if ds.name in seen:
                 raise table.child(f"datasets[{i}]", {}).fail("name", f"duplicate dataset name {ds.name!r}")
             seen.add(ds.name)
-        wanted = config.stages if config.stages is not None else (ALL_STAGES if config.target else ("generate",))
+        wanted = config.stages if config.stages is not None else (STAGE_NAMES if config.target else ("generate",))
         if config.target is None and any(s != "generate" for s in wanted):
             raise table.fail("stages", "the ML stages need a [target] table naming the target model")
-        return dataclasses.replace(config, stages=tuple(s for s in ALL_STAGES if s in wanted))
+        return dataclasses.replace(config, stages=tuple(s for s in STAGE_NAMES if s in wanted))
 
     @property
     def stage_names(self) -> tuple[str, ...]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pipeline.demo.tinymodel import build_tiny_model, sample_text
-from pipeline.servers.launch import start_server
+from eagleops.pipeline.demo.tinymodel import build_tiny_model, sample_text
+from eagleops.pipeline.servers.launch import start_server
 
 __all__ = ["DemoRun", "RealDemoRun", "prepare_demo", "prepare_real_demo", "write_demo_datasets"]
 
@@ -119,7 +119,15 @@ class DemoRun:
 
     @contextlib.contextmanager
     def serve(self) -> Iterator[Path]:
-        argv = ["pipeline.servers.model", "--model", str(self.model_dir), "--name", self.served_name, "--max-batch", str(self.max_batch)]
+        argv = [
+            "eagleops.pipeline.demo.model_server",
+            "--model",
+            str(self.model_dir),
+            "--name",
+            self.served_name,
+            "--max-batch",
+            str(self.max_batch),
+        ]
         with start_server(argv, self.directory / "server.port", log_path=self.directory / "server.log") as port:
             yield self.write_run(port)
 
@@ -184,7 +192,7 @@ draft_tokens = 3
 
 def prepare_real_demo(directory: Path, *, fresh: bool = False, log: Callable[[str], None] = lambda m: None) -> RealDemoRun:
     """The real model and data (built or fetched once, into eagleops' cache) and a run on them."""
-    from pipeline.demo.real import sharegpt_file, smollm2_checkpoint
+    from eagleops.pipeline.demo.real import sharegpt_file, smollm2_checkpoint
 
     directory = directory.resolve()
     if fresh:

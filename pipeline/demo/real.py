@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from pipeline.errors import InputError
+from eagleops.pipeline.errors import InputError
 
 __all__ = ["SMOLLM2_PACKAGE", "default_cache", "sharegpt_file", "smollm2_checkpoint", "smollm2_gguf"]
 

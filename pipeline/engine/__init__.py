@@ -3,6 +3,6 @@
 No torch at import time (the compute stages are imported when they run) and no UI.
 """
 
-from pipeline.engine.engine import STAGES, Engine, EngineError, RunSummary
+from eagleops.pipeline.engine.engine import Engine, EngineError, RunSummary
 
-__all__ = ["STAGES", "Engine", "EngineError", "RunSummary"]
+__all__ = ["Engine", "EngineError", "RunSummary"]

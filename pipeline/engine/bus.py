@@ -7,7 +7,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from pipeline.protocol.events import Event, LogEvent, StageMetrics, StageProgress
+from eagleops.pipeline.protocol.events import Event, LogEvent, StageMetrics, StageProgress
 
 __all__ = ["EventBus", "Subscription"]
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from pipeline.config import RunConfig
-from pipeline.cpus import apply_torch_threads
-from pipeline.protocol.events import Ack, Command, Pause, Resume, StageStatus
-from pipeline.protocol.host import StageHost
-from pipeline.training.context import StageContext, StageKilled
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.cpus import apply_torch_threads
+from eagleops.pipeline.protocol.events import Ack, Command, Pause, Resume, StageStatus
+from eagleops.pipeline.protocol.host import StageHost
+from eagleops.pipeline.stages import stage
+from eagleops.pipeline.training.context import StageContext, StageKilled
 
 __all__ = ["ComputeStages"]
 
@@ -33,7 +34,7 @@ class ComputeStages:
         for name in stages:
             if name == "train" and self.config.train.overlap_extract and groups and groups[-1] == ("extract",):
                 groups[-1] = ("extract", "train")
-            elif name != "generate":
+            elif stage(name).compute:
                 groups.append((name,))
         return groups
 
@@ -42,7 +43,7 @@ class ComputeStages:
         following a failed extract would wait for shards forever), one that finishes tells them
         (an extract waiting for a finished train to free room stops). True if all finished."""
         if len(names) > 1:
-            from pipeline.training.stages import import_for_concurrent_stages
+            from eagleops.pipeline.training.stages import import_for_concurrent_stages
 
             await asyncio.to_thread(import_for_concurrent_stages)
             if self._killed:  # a kill during the import found no stage to stop
@@ -68,7 +69,7 @@ class ComputeStages:
 
     async def _run_stage(self, name: str) -> StageStatus:
         """A torch stage in a worker thread; its events cross back to the loop thread-safely."""
-        from pipeline.training.stages import stage_functions
+        from eagleops.pipeline.training.stages import stage_function
 
         loop = asyncio.get_running_loop()
         ctx = StageContext(name, lambda event: loop.call_soon_threadsafe(self.host.publish, event))
@@ -77,7 +78,7 @@ class ComputeStages:
             ctx.kill()
         self.host.set_stage(name, StageStatus.RUNNING)
         try:
-            result = await asyncio.to_thread(stage_functions()[name], self.config, ctx)
+            result = await asyncio.to_thread(stage_function(name), self.config, ctx)
         except StageKilled:
             self.host.set_stage(name, StageStatus.KILLED, "killed; resumable")
             return StageStatus.KILLED

@@ -15,17 +15,17 @@ from typing import IO, Any
 
 import aiohttp
 
-from pipeline.config import ALL_STAGES, RunConfig
-from pipeline.engine.bus import EventBus, Subscription
-from pipeline.engine.compute import ComputeStages
-from pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, telemetry_loop
-from pipeline.errors import EagleOpsError, RunError
-from pipeline.files import try_lock
-from pipeline.generate.fit import PromptFit
-from pipeline.generate.stage import GenerateStage
-from pipeline.generate.store import StoreError
-from pipeline.protocol.control import ControlError, ControlServer, socket_path_for
-from pipeline.protocol.events import (
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.engine.bus import EventBus, Subscription
+from eagleops.pipeline.engine.compute import ComputeStages
+from eagleops.pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, telemetry_loop
+from eagleops.pipeline.errors import EagleOpsError, ExitCode, RunError
+from eagleops.pipeline.files import try_lock
+from eagleops.pipeline.generate.fit import PromptFit
+from eagleops.pipeline.generate.stage import GenerateStage
+from eagleops.pipeline.generate.store import StoreError
+from eagleops.pipeline.protocol.control import ControlError, ControlServer, socket_path_for
+from eagleops.pipeline.protocol.events import (
     Ack,
     Command,
     DatasetProgress,
@@ -41,14 +41,12 @@ from pipeline.protocol.events import (
     StageState,
     StageStatus,
 )
-from pipeline.protocol.redact import Redactor
+from eagleops.pipeline.protocol.redact import Redactor
+from eagleops.pipeline.stages import STAGE_NAMES
 
-__all__ = ["STAGES", "Engine", "EngineError", "RunSummary"]
+__all__ = ["Engine", "EngineError", "RunSummary"]
 
-STAGES = ALL_STAGES
 SNAPSHOT_LOG_LINES = 50
-EXIT_OK, EXIT_FAILED, EXIT_KILLED = 0, 1, 130
-EXIT_SHORTFALL = 3  # every stage finished, but a dataset's output is mostly failures, or empty
 
 
 class EngineError(RunError):
@@ -88,10 +86,10 @@ class RunSummary:
         """0 done, 1 a stage or dataset failed, 3 done but a dataset's output is empty or mostly
         failures (``shortfalls``), 130 killed."""
         if self.killed:
-            return EXIT_KILLED
+            return ExitCode.KILLED
         if not self.ok:
-            return EXIT_FAILED
-        return EXIT_SHORTFALL if self.shortfalls() else EXIT_OK
+            return ExitCode.FAILED
+        return ExitCode.SHORTFALL if self.shortfalls() else ExitCode.OK
 
 
 class Engine:
@@ -112,7 +110,9 @@ class Engine:
         self.latest_telemetry: dict[str, Event] = {}
         self.redact = Redactor(config.secrets())
         self.bus = EventBus(self.snapshot)
-        self.stage_states = {name: StageState(name, StageStatus.PENDING if name in self.stages else StageStatus.SKIPPED) for name in STAGES}
+        self.stage_states = {
+            name: StageState(name, StageStatus.PENDING if name in self.stages else StageStatus.SKIPPED) for name in STAGE_NAMES
+        }
         self.generate = GenerateStage(config, self, clock=clock, progress_interval_s=progress_interval_s)
         self.compute = ComputeStages(config, self, self.redact)
         self._killed = False
@@ -154,7 +154,7 @@ class Engine:
     async def execute(self, command: Command) -> Ack:
         """A command for a compute stage (named as the dataset), one dataset, or all of them."""
         name = command.dataset
-        if name in STAGES and name not in self.generate.runners:
+        if name in STAGE_NAMES and name not in self.generate.runners:
             if isinstance(command, Kill) and name in self.compute.running:
                 self.kill()
                 ack = Ack(True, f"killing {name}: it stops at its next batch, its work so far kept")
@@ -203,7 +203,7 @@ class Engine:
         # thinking on and off in the words the target's own template reads (Kimi `thinking`,
         # Qwen3 `enable_thinking`, gpt-oss `reasoning_effort`); learning them loads its
         # tokenizer, so off the event loop
-        from pipeline.training.modeling.thinking_switch import with_target_thinking_switch
+        from eagleops.pipeline.training.modeling.thinking_switch import with_target_thinking_switch
 
         self.config = self.generate.config = await asyncio.to_thread(with_target_thinking_switch, self.config)
         if self.config.target is not None:  # nothing is paid for that prepare would not train
@@ -217,7 +217,7 @@ class Engine:
             raise EngineError(f"{where}: cannot open the output ({exc.strerror or exc})") from None
 
     def _prompt_fit(self) -> PromptFit | None:
-        from pipeline.training.prepare.fit import prompt_counter
+        from eagleops.pipeline.training.prepare.fit import prompt_counter
 
         config = self.config
         try:
@@ -255,7 +255,7 @@ class Engine:
         summary = RunSummary(datasets, self._killed, stages, self.config.max_failed_share)
         if summary.ok:
             for shortfall in summary.shortfalls():
-                self.log("error", f"{shortfall}; the run exits with code {EXIT_SHORTFALL}")
+                self.log("error", f"{shortfall}; the run exits with code {int(ExitCode.SHORTFALL)}")
         self._set_run_state(RunPhase.FINISHED, summary.exit_code)
         self.bus.close()
         if self._lock_file is not None:

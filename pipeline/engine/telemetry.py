@@ -15,9 +15,9 @@ from typing import Protocol
 
 import aiohttp
 
-from pipeline.config import EndpointConfig
-from pipeline.protocol.events import Event, GpuStats, HostStats, ServerMetrics
-from pipeline.servers.metrics import parse_prometheus
+from eagleops.pipeline.config import EndpointConfig
+from eagleops.pipeline.protocol.events import Event, GpuStats, HostStats, ServerMetrics
+from eagleops.pipeline.servers.metrics import parse_prometheus
 
 __all__ = [
     "telemetry_loop",

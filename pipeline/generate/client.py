@@ -20,11 +20,11 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.config import RetryConfig, SamplingConfig
-from pipeline.errors import EagleOpsError
-from pipeline.generate.endpoints import EndpointPool, EndpointState, RateMeter
-from pipeline.generate.replies import MalformedReply, Reply, parse_reply, request_fields
-from pipeline.protocol.redact import Redactor
+from eagleops.pipeline.config import RetryConfig, SamplingConfig
+from eagleops.pipeline.errors import EagleOpsError
+from eagleops.pipeline.generate.endpoints import EndpointPool, EndpointState, RateMeter
+from eagleops.pipeline.generate.replies import MalformedReply, Reply, parse_reply, request_fields
+from eagleops.pipeline.protocol.redact import Redactor
 
 __all__ = [
     "ChatClient",

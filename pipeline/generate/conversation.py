@@ -14,10 +14,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.config import DatasetConfig
-from pipeline.generate.client import ChatClient, Completion
-from pipeline.generate.fit import Fitted, PromptFit, Skipped, TooLong
-from pipeline.sources import Prompt, reply_points
+from eagleops.pipeline.config import DatasetConfig
+from eagleops.pipeline.generate.client import ChatClient, Completion
+from eagleops.pipeline.generate.fit import Fitted, PromptFit, Skipped, TooLong
+from eagleops.pipeline.sources import Prompt, reply_points
 
 __all__ = ["assistant_turn", "regenerate", "regenerate_all", "regenerate_last"]
 

@@ -9,10 +9,10 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.generate.digest import reason_kind
+from eagleops.pipeline.generate.digest import reason_kind
 
 if TYPE_CHECKING:
-    from pipeline.generate.runner import DatasetRunner
+    from eagleops.pipeline.generate.runner import DatasetRunner
 
 __all__ = ["dataset_detail", "failure_reasons"]
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import aiohttp
 
-from pipeline.config import EndpointConfig
-from pipeline.protocol.events import EndpointStats
+from eagleops.pipeline.config import EndpointConfig
+from eagleops.pipeline.protocol.events import EndpointStats
 
 __all__ = ["BENCH_AFTER", "EndpointPool", "EndpointState", "RateMeter", "connection_limit"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.protocol.events import StopReason
+from eagleops.pipeline.protocol.events import StopReason
 
 __all__ = ["Budget", "Conversation", "InFlight", "Limits", "MIN_SAMPLES_FOR_MEAN"]
 

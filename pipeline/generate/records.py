@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pipeline.generate.client import Completion
-from pipeline.sources import BadLine, Prompt
+from eagleops.pipeline.generate.client import Completion
+from eagleops.pipeline.sources import BadLine, Prompt
 
 __all__ = ["bad_line_record", "failed_request_record", "generated_record", "skipped_record"]
 

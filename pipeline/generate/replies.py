@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.formats.thinking import split_thinking
+from eagleops.pipeline.formats.thinking import split_thinking
 
 __all__ = ["MalformedReply", "Reply", "parse_reply", "request_fields", "thinking_off_fields"]
 

@@ -11,19 +11,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import DatasetConfig, field_map, format_tokens
-from pipeline.errors import InputError
-from pipeline.generate.client import ChatClient, Completion, PermanentFailure, RateMeter
-from pipeline.generate.conversation import regenerate
-from pipeline.generate.digest import CURRENT_REQUEST, FailureDigest
-from pipeline.generate.fit import PromptFit, Skipped
-from pipeline.generate.limits import InFlight, Limits
-from pipeline.generate.records import bad_line_record, failed_request_record, generated_record, skipped_record
-from pipeline.generate.store import DatasetStore, SaveRetry, StoreError, WriteFailed
-from pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
-from pipeline.protocol.host import StageHost
-from pipeline.protocol.redact import Redactor
-from pipeline.sources import BadLine, Prompt, SourceReader, reply_points
+from eagleops.pipeline.config import DatasetConfig, field_map, format_tokens
+from eagleops.pipeline.errors import InputError
+from eagleops.pipeline.generate.client import ChatClient, Completion, PermanentFailure, RateMeter
+from eagleops.pipeline.generate.conversation import regenerate
+from eagleops.pipeline.generate.digest import CURRENT_REQUEST, FailureDigest
+from eagleops.pipeline.generate.fit import PromptFit, Skipped
+from eagleops.pipeline.generate.limits import InFlight, Limits
+from eagleops.pipeline.generate.records import bad_line_record, failed_request_record, generated_record, skipped_record
+from eagleops.pipeline.generate.store import DatasetStore, SaveRetry, StoreError, WriteFailed
+from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
+from eagleops.pipeline.protocol.host import StageHost
+from eagleops.pipeline.protocol.redact import Redactor
+from eagleops.pipeline.sources import BadLine, Prompt, SourceReader, reply_points
 
 __all__ = ["DatasetRunner", "RunnerShared"]
 

@@ -17,20 +17,20 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.config import EndpointConfig, RunConfig, format_tokens
-from pipeline.errors import EagleOpsError, InputError
-from pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
-from pipeline.generate.detail import dataset_detail, failure_reasons
-from pipeline.generate.digest import FailureDigest, RetryDigest
-from pipeline.generate.endpoints import connection_limit
-from pipeline.generate.limits import Budget
-from pipeline.generate.runner import DatasetRunner, RunnerShared
-from pipeline.generate.store import DatasetStore
-from pipeline.protocol.events import Ack, Command, DatasetState, EndpointStats, Kill, Pause, Resume, SetBudget, StageStatus
-from pipeline.protocol.host import StageHost
-from pipeline.protocol.redact import Redactor
-from pipeline.servers.supervisor import SupervisedServer
-from pipeline.sources import Source
+from eagleops.pipeline.config import EndpointConfig, RunConfig, format_tokens
+from eagleops.pipeline.errors import EagleOpsError, InputError
+from eagleops.pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
+from eagleops.pipeline.generate.detail import dataset_detail, failure_reasons
+from eagleops.pipeline.generate.digest import FailureDigest, RetryDigest
+from eagleops.pipeline.generate.endpoints import connection_limit
+from eagleops.pipeline.generate.limits import Budget
+from eagleops.pipeline.generate.runner import DatasetRunner, RunnerShared
+from eagleops.pipeline.generate.store import DatasetStore
+from eagleops.pipeline.protocol.events import Ack, Command, DatasetState, EndpointStats, Kill, Pause, Resume, SetBudget, StageStatus
+from eagleops.pipeline.protocol.host import StageHost
+from eagleops.pipeline.protocol.redact import Redactor
+from eagleops.pipeline.servers.supervisor import SupervisedServer
+from eagleops.pipeline.sources import Source
 
 __all__ = ["GenerateStage"]
 
@@ -132,7 +132,7 @@ class GenerateStage:
         if serve is None or not serve.for_generate:
             yield
             return
-        from pipeline.servers.vllm import launch_for, vllm_server
+        from eagleops.pipeline.servers.vllm import launch_for, vllm_server
 
         loop = asyncio.get_running_loop()
         launch = launch_for(self.config)

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import RunError
-from pipeline.files import write_json_atomic
-from pipeline.generate.limits import Budget
-from pipeline.sources import BadLine, Prompt, Source
+from eagleops.pipeline.errors import RunError
+from eagleops.pipeline.files import write_json_atomic
+from eagleops.pipeline.generate.limits import Budget
+from eagleops.pipeline.sources import BadLine, Prompt, Source
 
 __all__ = ["DatasetStore", "SaveRetry", "StoreError", "Totals", "WriteFailed"]
 

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.errors import RunError
-from pipeline.protocol.events import Ack, Command, Event, command_from_json, event_from_json
+from eagleops.pipeline.errors import RunError
+from eagleops.pipeline.protocol.events import Ack, Command, Event, command_from_json, event_from_json
 
 __all__ = [
     "ControlClient",

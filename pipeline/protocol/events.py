@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from pipeline.config.tokens import parse_tokens
+from eagleops.pipeline.config.tokens import parse_tokens
 
 __all__ = [
     "Ack",

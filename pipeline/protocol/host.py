@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pipeline.protocol.events import Event, StageStatus
+from eagleops.pipeline.protocol.events import Event, StageStatus
 
 __all__ = ["StageHost"]
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import psutil
 
-from pipeline.files import write_json_atomic
-from pipeline.servers.tether import TOKEN_ENV
+from eagleops.pipeline.files import write_json_atomic
+from eagleops.pipeline.servers.tether import TOKEN_ENV
 
 __all__ = ["TOKEN_ENV", "ServerRecord", "stop_group", "stop_leftovers"]
 

@@ -11,9 +11,9 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.errors import RunError
-from pipeline.servers.groups import stop_group
-from pipeline.servers.tether import tethered
+from eagleops.pipeline.errors import RunError
+from eagleops.pipeline.servers.groups import stop_group
+from eagleops.pipeline.servers.tether import tethered
 
 __all__ = ["start_server"]
 

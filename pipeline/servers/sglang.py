@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.servers.supervisor import LOOPBACK, checked_python
+from eagleops.pipeline.servers.supervisor import LOOPBACK, checked_python
 
 __all__ = ["SGLANG_PYTHON_ENV", "SglangLaunch", "generate_ids", "sglang_python"]
 

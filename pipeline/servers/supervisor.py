@@ -7,7 +7,7 @@ returns once ``/health`` answers; a watcher thread restarts it with exponential 
 dies (its whole group ended first), and gives up after ``max_restarts``. Its output goes to a
 log file, and its warnings and errors (and every restart) to the ``log`` callback, which an
 engine turns into events. Given ``cpus``, it runs on those cores and eagleops keeps to its other
-cores until it stops (``pipeline.placement.CoresApart``). Everything here is blocking: call it
+cores until it stops (``eagleops.pipeline.placement.CoresApart``). Everything here is blocking: call it
 from a thread (the engine does, through ``asyncio.to_thread``).
 """
 
@@ -25,10 +25,10 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pipeline.errors import ConfigError, RunError
-from pipeline.placement import CoresApart, cpu_list
-from pipeline.servers.groups import ServerRecord, stop_group, stop_leftovers
-from pipeline.servers.tether import tethered
+from eagleops.pipeline.errors import ConfigError, RunError
+from eagleops.pipeline.placement import CoresApart, cpu_list
+from eagleops.pipeline.servers.groups import ServerRecord, stop_group, stop_leftovers
+from eagleops.pipeline.servers.tether import tethered
 
 __all__ = ["LOOPBACK", "ServerFailed", "SupervisedServer", "checked_python", "free_port", "stop_group"]
 

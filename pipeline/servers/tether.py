@@ -1,6 +1,6 @@
 """Runs a server as its child, and takes the server's whole process group down with eagleops.
 
-    python -m pipeline.servers.tether --parent PID [--cpus 1,2] -- ARGV...
+    python -m eagleops.pipeline.servers.tether --parent PID [--cpus 1,2] -- ARGV...
 
 The supervisor starts this as the leader of a new process group; the server and whatever it
 starts (vLLM's API server, engine core and workers) join that group. The tether ends the group:
@@ -46,7 +46,7 @@ def tethered(argv: Sequence[str], cpus: Collection[int] = ()) -> list[str]:
     """``argv`` run under a tether to this process: it dies when this process dies. With
     ``cpus``, the server and whatever it starts run on those cores only."""
     placement = ["--cpus", ",".join(map(str, sorted(cpus)))] if cpus else []
-    return [sys.executable, "-m", "pipeline.servers.tether", "--parent", str(os.getpid()), *placement, "--", *argv]
+    return [sys.executable, "-m", "eagleops.pipeline.servers.tether", "--parent", str(os.getpid()), *placement, "--", *argv]
 
 
 def _say(line: str) -> None:
@@ -191,7 +191,7 @@ def main(argv: list[str]) -> None:
         cpus = {int(core) for core in argv[3].split(",")}
         argv = argv[:2] + argv[4:]
     if len(argv) < 4 or argv[0] != "--parent" or argv[2] != "--":
-        raise SystemExit("usage: python -m pipeline.servers.tether --parent PID [--cpus 1,2] -- ARGV...")
+        raise SystemExit("usage: python -m eagleops.pipeline.servers.tether --parent PID [--cpus 1,2] -- ARGV...")
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)  # before the server starts: all it starts inherits them

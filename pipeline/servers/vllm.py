@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.errors import ConfigError
-from pipeline.placement import parse_cpu_list
-from pipeline.servers.metrics import parse_prometheus
-from pipeline.servers.supervisor import LOOPBACK, Log, SupervisedServer, checked_python
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.errors import ConfigError
+from eagleops.pipeline.placement import parse_cpu_list
+from eagleops.pipeline.servers.metrics import parse_prometheus
+from eagleops.pipeline.servers.supervisor import LOOPBACK, Log, SupervisedServer, checked_python
 
 __all__ = ["PYTHON_ENV", "VllmLaunch", "complete_batch", "complete_ids", "launch_for", "read_metrics", "vllm_python", "vllm_server"]
 

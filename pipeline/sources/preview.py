@@ -11,11 +11,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import DatasetConfig, RunConfig
-from pipeline.config.fields import field_map
-from pipeline.errors import InputError, UsageError
-from pipeline.sources.reader import BadLine, Prompt, SourceReader
-from pipeline.sources.shards import Shard, Source
+from eagleops.pipeline.config import DatasetConfig, RunConfig
+from eagleops.pipeline.config.fields import field_map
+from eagleops.pipeline.errors import InputError, UsageError
+from eagleops.pipeline.sources.reader import BadLine, Prompt, SourceReader
+from eagleops.pipeline.sources.shards import Shard, Source
 
 __all__ = ["SourcePreview", "preview_sources", "render_preview"]
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config.fields import FieldMap, field_map
-from pipeline.sources.rows import RowError, read_row
-from pipeline.sources.shards import Source, position, split_position
+from eagleops.pipeline.config.fields import FieldMap, field_map
+from eagleops.pipeline.sources.rows import RowError, read_row
+from eagleops.pipeline.sources.shards import Source, position, split_position
 
 __all__ = ["BadLine", "Prompt", "SourceReader"]
 

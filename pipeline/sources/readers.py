@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pipeline.errors import InputError
+from eagleops.pipeline.errors import InputError
 
 __all__ = ["RawRow", "Shard", "read_shard", "sniffed"]
 

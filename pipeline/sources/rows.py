@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.config.fields import FieldMap
-from pipeline.errors import InputError
+from eagleops.pipeline.config.fields import FieldMap
+from eagleops.pipeline.errors import InputError
 
 __all__ = ["ROLE_NAMES", "RowError", "prompt_id_for", "read_row", "reply_points"]
 

@@ -24,8 +24,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError
-from pipeline.sources.readers import RawRow, Shard, read_shard, sniffed
+from eagleops.pipeline.errors import InputError
+from eagleops.pipeline.sources.readers import RawRow, Shard, read_shard, sniffed
 
 __all__ = ["SHARD_BITS", "RawRow", "Shard", "Source", "find_shards", "position", "split_position"]
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import RunError
-from pipeline.files import fsync_dir, write_json_atomic
+from eagleops.pipeline.errors import RunError
+from eagleops.pipeline.files import fsync_dir, write_json_atomic
 
 __all__ = [
     "DRAFT_VOCAB",

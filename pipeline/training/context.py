@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pipeline.protocol.events import Event, LogEvent, StageMetrics, StageProgress
-from pipeline.servers.supervisor import ServerFailed, SupervisedServer
+from eagleops.pipeline.protocol.events import Event, LogEvent, StageMetrics, StageProgress
+from eagleops.pipeline.servers.supervisor import ServerFailed, SupervisedServer
 
 __all__ = ["StageContext", "StageKilled", "serving"]
 

@@ -1,21 +1,24 @@
-"""The compute stages by name. Imported lazily so a generate-only run never loads torch."""
+"""The compute stages' functions, imported when one starts (``pipeline.stages`` names each one's
+entry), so a generate-only run never loads torch."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["import_for_concurrent_stages", "stage_functions"]
+from eagleops.pipeline.stages import stage
+
+__all__ = ["import_for_concurrent_stages", "stage_function"]
 
 
-def stage_functions() -> dict[str, Callable[..., Any]]:
-    from pipeline.training.eval.stage import evaluate
-    from pipeline.training.export.stage import export
-    from pipeline.training.extract.stage import extract
-    from pipeline.training.prepare.stage import prepare
-    from pipeline.training.train.loop import train
-
-    return {"prepare": prepare, "extract": extract, "train": train, "export": export, "eval": evaluate}
+def stage_function(name: str) -> Callable[..., Any]:
+    """The function that runs compute stage ``name``: ``(config, ctx) -> result``."""
+    entry = stage(name).entry
+    if entry is None:
+        raise KeyError(f"{name} is not a compute stage: the engine runs it on its event loop")
+    module, _, function = entry.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def import_for_concurrent_stages() -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError
+from eagleops.pipeline.errors import ConfigError
 
 __all__ = ["TensorBoardWriter", "Trackers", "crc32c"]
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config.fields import BENCHMARKS, BenchmarkConfig, field_map
-from pipeline.errors import InputError
-from pipeline.sources import BadLine, Prompt, Source, SourceReader
-from pipeline.training.artifacts import EvalResult
+from eagleops.pipeline.config.fields import BENCHMARKS, BenchmarkConfig, field_map
+from eagleops.pipeline.errors import InputError
+from eagleops.pipeline.sources import BadLine, Prompt, Source, SourceReader
+from eagleops.pipeline.training.artifacts import EvalResult
 
 __all__ = ["BenchmarkItem", "Decode", "Work", "ask_turns", "benchmark_table", "load_benchmark", "write_benchmarks"]
 

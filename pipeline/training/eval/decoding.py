@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import InputError
-from pipeline.training.modeling.layers import engine_layer_ids
-from pipeline.training.modeling.target import decoder_stack
+from eagleops.pipeline.errors import InputError
+from eagleops.pipeline.training.modeling.layers import engine_layer_ids
+from eagleops.pipeline.training.modeling.target import decoder_stack
 
 __all__ = ["CachedTarget", "greedy_generate", "output_head", "speculative_generate"]
 

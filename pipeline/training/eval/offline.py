@@ -20,14 +20,14 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
-from pipeline.config import RunConfig
-from pipeline.training.artifacts import EvalResult, FeaturesIndex
-from pipeline.training.context import StageContext
-from pipeline.training.eval.acceptance import acceptance_from_steps
-from pipeline.training.eval.benchmarks import Work
-from pipeline.training.eval.decoding import CachedTarget, greedy_generate, speculative_generate
-from pipeline.training.modeling.drafter import build_drafter, load_exported
-from pipeline.training.modeling.target import head_and_embeddings, load_target, require_target
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.training.artifacts import EvalResult, FeaturesIndex
+from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.eval.acceptance import acceptance_from_steps
+from eagleops.pipeline.training.eval.benchmarks import Work
+from eagleops.pipeline.training.eval.decoding import CachedTarget, greedy_generate, speculative_generate
+from eagleops.pipeline.training.modeling.drafter import build_drafter, load_exported
+from eagleops.pipeline.training.modeling.target import head_and_embeddings, load_target, require_target
 
 __all__ = ["evaluate_offline"]
 

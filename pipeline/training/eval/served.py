@@ -15,15 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.placement import parse_cpu_list
-from pipeline.servers.sglang import SglangLaunch, generate_ids, sglang_python
-from pipeline.servers.supervisor import SupervisedServer
-from pipeline.servers.vllm import complete_ids, launch_for, read_metrics, vllm_server
-from pipeline.training.artifacts import EvalResult
-from pipeline.training.context import StageContext, serving
-from pipeline.training.eval.acceptance import Acceptance, acceptance_from_counts
-from pipeline.training.eval.benchmarks import Decode, Work
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.placement import parse_cpu_list
+from eagleops.pipeline.servers.sglang import SglangLaunch, generate_ids, sglang_python
+from eagleops.pipeline.servers.supervisor import SupervisedServer
+from eagleops.pipeline.servers.vllm import complete_ids, launch_for, read_metrics, vllm_server
+from eagleops.pipeline.training.artifacts import EvalResult
+from eagleops.pipeline.training.context import StageContext, serving
+from eagleops.pipeline.training.eval.acceptance import Acceptance, acceptance_from_counts
+from eagleops.pipeline.training.eval.benchmarks import Decode, Work
 
 __all__ = ["DIFFERENCES", "evaluate_served", "evaluate_sglang", "write_differences"]
 

@@ -13,17 +13,25 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.errors import InputError
-from pipeline.training.artifacts import EvalResult, features_capture
-from pipeline.training.context import StageContext
-from pipeline.training.eval.benchmarks import BenchmarkItem, Decode, Work, ask_turns, benchmark_table, load_benchmark, write_benchmarks
-from pipeline.training.eval.offline import evaluate_offline
-from pipeline.training.modeling.drafter_config import exported_capture
-from pipeline.training.modeling.target import load_target_tokenizer, require_target
-from pipeline.training.modeling.thinking_switch import template_kwargs
-from pipeline.training.modeling.turns import reply_stop_ids
-from pipeline.training.tracking import Trackers
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.errors import InputError
+from eagleops.pipeline.training.artifacts import EvalResult, features_capture
+from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.eval.benchmarks import (
+    BenchmarkItem,
+    Decode,
+    Work,
+    ask_turns,
+    benchmark_table,
+    load_benchmark,
+    write_benchmarks,
+)
+from eagleops.pipeline.training.eval.offline import evaluate_offline
+from eagleops.pipeline.training.modeling.drafter_config import exported_capture
+from eagleops.pipeline.training.modeling.target import load_target_tokenizer, require_target
+from eagleops.pipeline.training.modeling.thinking_switch import template_kwargs
+from eagleops.pipeline.training.modeling.turns import reply_stop_ids
+from eagleops.pipeline.training.tracking import Trackers
 
 __all__ = ["evaluate"]
 
@@ -135,7 +143,7 @@ def evaluate(config: RunConfig, ctx: StageContext, *, untrained: bool = False, b
     work = _work(config, ctx, tokenizer, config.thinking)
     chosen = backend or config.eval.backend
     if chosen in ("vllm", "sglang") and not untrained:
-        from pipeline.training.eval.served import evaluate_served, evaluate_sglang
+        from eagleops.pipeline.training.eval.served import evaluate_served, evaluate_sglang
 
         serve = evaluate_served if chosen == "vllm" else evaluate_sglang
         results = serve(config, ctx, work, config.export_dir)

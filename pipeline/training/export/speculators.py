@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.training.artifacts import CaptureLayout
-from pipeline.training.modeling.layers import engine_layer_ids
-from pipeline.training.modeling.target import verifier_architectures
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.training.artifacts import CaptureLayout
+from eagleops.pipeline.training.modeling.layers import engine_layer_ids
+from eagleops.pipeline.training.modeling.target import verifier_architectures
 
 __all__ = ["speculators_config", "speculators_dir", "speculators_weights"]
 

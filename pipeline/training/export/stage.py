@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from pipeline.config import RunConfig
-from pipeline.training.artifacts import Checkpoint, ExportResult, features_capture
-from pipeline.training.context import StageContext
-from pipeline.training.export.speculators import speculators_config, speculators_dir, speculators_weights
-from pipeline.training.modeling.drafter import EXPORTED_PREFIXES
-from pipeline.training.modeling.drafter_config import drafter_kind, exported_config, serving_engines, sglang_unservable
-from pipeline.training.modeling.rope import legacy_engine_warning
-from pipeline.training.modeling.target import require_target
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.training.artifacts import Checkpoint, ExportResult, features_capture
+from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.export.speculators import speculators_config, speculators_dir, speculators_weights
+from eagleops.pipeline.training.modeling.drafter import EXPORTED_PREFIXES
+from eagleops.pipeline.training.modeling.drafter_config import drafter_kind, exported_config, serving_engines, sglang_unservable
+from eagleops.pipeline.training.modeling.rope import legacy_engine_warning
+from eagleops.pipeline.training.modeling.target import require_target
 
 __all__ = ["export"]
 

@@ -19,14 +19,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.training.artifacts import FeaturesIndex, load_prepared
-from pipeline.training.context import StageContext
-from pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
-from pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
-from pipeline.training.features.shards import shard_bytes_bound, write_feature_shard
-from pipeline.training.modeling.layers import engine_layer_ids
-from pipeline.training.modeling.target import decoder_stack, load_target, require_target, target_shape
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.training.artifacts import FeaturesIndex, load_prepared
+from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
+from eagleops.pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
+from eagleops.pipeline.training.features.shards import shard_bytes_bound, write_feature_shard
+from eagleops.pipeline.training.modeling.layers import engine_layer_ids
+from eagleops.pipeline.training.modeling.target import decoder_stack, load_target, require_target, target_shape
 
 __all__ = ["extract_hf", "forward_features", "length_batches", "pad_batch"]
 

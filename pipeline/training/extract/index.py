@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.training.artifacts import FeaturesIndex, PreparedIndex
-from pipeline.training.features.cache import ConsumedShards, forget_consumed
-from pipeline.training.features.layout import FeatureSet, capture_for_run
-from pipeline.training.features.shards import shard_name
-from pipeline.training.modeling.target import require_target
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.training.artifacts import FeaturesIndex, PreparedIndex
+from eagleops.pipeline.training.features.cache import ConsumedShards, forget_consumed
+from eagleops.pipeline.training.features.layout import FeatureSet, capture_for_run
+from eagleops.pipeline.training.features.shards import shard_name
+from eagleops.pipeline.training.modeling.target import require_target
 
 __all__ = ["ExtractRates", "extract_metrics", "open_features_index", "shards_to_do"]
 

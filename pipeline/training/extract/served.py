@@ -22,16 +22,16 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.errors import RunError
-from pipeline.servers import vllm_capture
-from pipeline.servers.vllm import VllmLaunch, complete_batch, launch_for, vllm_server
-from pipeline.training.artifacts import FeaturesIndex, load_prepared
-from pipeline.training.context import StageContext, serving
-from pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
-from pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
-from pipeline.training.features.shards import HEADER_BYTES, shard_bytes_bound, write_feature_shard
-from pipeline.training.modeling.target import target_shape
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.errors import RunError
+from eagleops.pipeline.servers import vllm_capture
+from eagleops.pipeline.servers.vllm import VllmLaunch, complete_batch, launch_for, vllm_server
+from eagleops.pipeline.training.artifacts import FeaturesIndex, load_prepared
+from eagleops.pipeline.training.context import StageContext, serving
+from eagleops.pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
+from eagleops.pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
+from eagleops.pipeline.training.features.shards import HEADER_BYTES, shard_bytes_bound, write_feature_shard
+from eagleops.pipeline.training.modeling.target import target_shape
 
 __all__ = ["extract_served"]
 

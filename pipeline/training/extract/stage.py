@@ -4,17 +4,17 @@
 
 from __future__ import annotations
 
-from pipeline.config import RunConfig
-from pipeline.training.artifacts import FeaturesIndex
-from pipeline.training.context import StageContext
-from pipeline.training.extract.hf import extract_hf
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.training.artifacts import FeaturesIndex
+from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.extract.hf import extract_hf
 
 __all__ = ["extract"]
 
 
 def extract(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     if config.extract.backend == "vllm":
-        from pipeline.training.extract.served import extract_served
+        from eagleops.pipeline.training.extract.served import extract_served
 
         return extract_served(config, ctx)
     return extract_hf(config, ctx)

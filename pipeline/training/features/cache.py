@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.files import write_json_atomic
-from pipeline.training.artifacts import FeaturesIndex
+from eagleops.pipeline.files import write_json_atomic
+from eagleops.pipeline.training.artifacts import FeaturesIndex
 
 __all__ = [
     "ConsumedShards",

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pipeline.config import RunConfig
-from pipeline.errors import ConfigError
-from pipeline.training.artifacts import CaptureLayout, FeaturesIndex
-from pipeline.training.modeling.layers import default_aux_layers
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.errors import ConfigError
+from eagleops.pipeline.training.artifacts import CaptureLayout, FeaturesIndex
+from eagleops.pipeline.training.modeling.layers import default_aux_layers
 
 __all__ = ["FeatureSet", "aux_layers_for_run", "capture_for_run", "feature_set_for_run"]
 

@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import RunError
-from pipeline.training.artifacts import CaptureLayout, FeaturesIndex
-from pipeline.training.features.cache import ConsumedShards
-from pipeline.training.features.layout import FeatureSet
-from pipeline.training.features.shards import CODECS, shard_name
+from eagleops.pipeline.errors import RunError
+from eagleops.pipeline.training.artifacts import CaptureLayout, FeaturesIndex
+from eagleops.pipeline.training.features.cache import ConsumedShards
+from eagleops.pipeline.training.features.layout import FeatureSet
+from eagleops.pipeline.training.features.shards import CODECS, shard_name
 
 __all__ = ["FeatureShards"]
 

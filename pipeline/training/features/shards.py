@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.training.artifacts import FeatureShard, FeaturesIndex
+from eagleops.pipeline.training.artifacts import FeatureShard, FeaturesIndex
 
 __all__ = ["CODECS", "Codec", "HEADER_BYTES", "shard_bytes_bound", "shard_name", "write_feature_shard"]
 

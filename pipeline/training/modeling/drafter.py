@@ -23,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.config import RunConfig
-from pipeline.errors import InputError
-from pipeline.training.artifacts import DRAFT_VOCAB
-from pipeline.training.modeling.blocks import DraftCache, RMSNorm, rotate_halves
-from pipeline.training.modeling.drafter_config import DrafterChoice, drafter_config_from_target
-from pipeline.training.modeling.mla import MLAttention
-from pipeline.training.modeling.target import head_and_embeddings, head_rows, load_target_config, require_target
-from pipeline.training.modeling.ttt_attention import flex_available, ttt_attention
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.errors import InputError
+from eagleops.pipeline.training.artifacts import DRAFT_VOCAB
+from eagleops.pipeline.training.modeling.blocks import DraftCache, RMSNorm, rotate_halves
+from eagleops.pipeline.training.modeling.drafter_config import DrafterChoice, drafter_config_from_target
+from eagleops.pipeline.training.modeling.mla import MLAttention
+from eagleops.pipeline.training.modeling.target import head_and_embeddings, head_rows, load_target_config, require_target
+from eagleops.pipeline.training.modeling.ttt_attention import flex_available, ttt_attention
 
 __all__ = ["EXPORTED_PREFIXES", "DraftCache", "DraftSession", "Eagle3Drafter", "build_drafter", "load_exported"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from pipeline.errors import InputError
+from eagleops.pipeline.errors import InputError
 
 __all__ = [
     "SGLANG_VERBATIM_TARGETS",

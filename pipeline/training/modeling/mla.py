@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.training.modeling.blocks import DraftCache, RMSNorm, rotate_pairs
-from pipeline.training.modeling.ttt_attention import flex_available, ttt_attention
+from eagleops.pipeline.training.modeling.blocks import DraftCache, RMSNorm, rotate_pairs
+from eagleops.pipeline.training.modeling.ttt_attention import flex_available, ttt_attention
 
 __all__ = ["MLAttention", "mla_softmax_scale"]
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.formats.thinking import THINK_CLOSE, THINK_OPEN
-from pipeline.training.modeling.turns import turn_ends
+from eagleops.pipeline.formats.thinking import THINK_CLOSE, THINK_OPEN
+from eagleops.pipeline.training.modeling.turns import turn_ends
 
 __all__ = ["PROBE_QUESTION", "REASONING_FIELDS", "ReplyFormat", "Unrepresentable", "learn_reply_format"]
 

@@ -42,7 +42,7 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
-from pipeline.errors import InputError
+from eagleops.pipeline.errors import InputError
 
 __all__ = [
     "ENGINES",

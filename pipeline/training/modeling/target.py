@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig, TargetConfig
-from pipeline.errors import ConfigError, InputError
+from eagleops.pipeline.config import RunConfig, TargetConfig
+from eagleops.pipeline.errors import ConfigError, InputError
 
 __all__ = [
     "decoder_stack",

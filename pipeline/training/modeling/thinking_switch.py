@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.errors import ConfigError
-from pipeline.formats.thinking import THINK_OPEN
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.errors import ConfigError
+from eagleops.pipeline.formats.thinking import THINK_OPEN
 
 __all__ = [
     "CANDIDATE_SWITCHES",
@@ -104,7 +104,7 @@ def with_target_thinking_switch(config: RunConfig) -> RunConfig:
     ``thinking = "off"`` the target cannot honour is refused here, before anything is sent."""
     if config.target is None:
         return config
-    from pipeline.training.modeling.target import load_target_tokenizer
+    from eagleops.pipeline.training.modeling.target import load_target_tokenizer
 
     tokenizer = load_target_tokenizer(config.target)
     sampling = config.sampling

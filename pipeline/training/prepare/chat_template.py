@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import TargetConfig
-from pipeline.errors import InputError
-from pipeline.formats.engine_messages import as_engine_renders
-from pipeline.training.modeling.target import load_target_tokenizer
+from eagleops.pipeline.config import TargetConfig
+from eagleops.pipeline.errors import InputError
+from eagleops.pipeline.formats.engine_messages import as_engine_renders
+from eagleops.pipeline.training.modeling.target import load_target_tokenizer
 
 __all__ = ["PrepareError", "load_chat_tokenizer", "render_ids", "render_text"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from pipeline.formats.thinking import THINK_CLOSE, THINK_OPEN
-from pipeline.training.prepare.samples import Built
+from eagleops.pipeline.formats.thinking import THINK_CLOSE, THINK_OPEN
+from eagleops.pipeline.training.prepare.samples import Built
 
 __all__ = ["trained_problems"]
 

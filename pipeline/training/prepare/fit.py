@@ -1,5 +1,5 @@
 """The prompt's length as prepare will render it, for generate to check before it sends a request
-(``pipeline.generate.fit``): the target's own template, with the thinking switch and the tool
+(``eagleops.pipeline.generate.fit``): the target's own template, with the thinking switch and the tool
 schemas the server is sent, exactly as ``SampleBuilder`` renders a sample's prompt."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.config.run import THINKING
-from pipeline.training.modeling.target import require_target
-from pipeline.training.modeling.thinking_switch import template_kwargs
-from pipeline.training.prepare.chat_template import load_chat_tokenizer, render_ids
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.config.run import THINKING
+from eagleops.pipeline.training.modeling.target import require_target
+from eagleops.pipeline.training.modeling.thinking_switch import template_kwargs
+from eagleops.pipeline.training.prepare.chat_template import load_chat_tokenizer, render_ids
 
 __all__ = ["prompt_counter"]
 

@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.config.run import THINKING
-from pipeline.training.context import StageContext
-from pipeline.training.modeling.target import require_target
-from pipeline.training.prepare.chat_template import PrepareError
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.config.run import THINKING
+from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.modeling.target import require_target
+from eagleops.pipeline.training.prepare.chat_template import PrepareError
 
 __all__ = ["Sample", "fingerprint", "read_conversations", "read_extra"]
 

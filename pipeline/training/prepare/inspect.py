@@ -17,16 +17,16 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.errors import EagleOpsError, UsageError
-from pipeline.training.context import StageContext
-from pipeline.training.modeling.reply_format import PROBE_QUESTION, ReplyFormat
-from pipeline.training.modeling.target import require_target
-from pipeline.training.prepare.chat_template import PrepareError, load_chat_tokenizer
-from pipeline.training.prepare.check import trained_problems
-from pipeline.training.prepare.inputs import read_conversations
-from pipeline.training.prepare.samples import Built
-from pipeline.training.prepare.stage import DROPPED_AS, build_row, drop_reason, sample_builder
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.errors import EagleOpsError, UsageError
+from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.modeling.reply_format import PROBE_QUESTION, ReplyFormat
+from eagleops.pipeline.training.modeling.target import require_target
+from eagleops.pipeline.training.prepare.chat_template import PrepareError, load_chat_tokenizer
+from eagleops.pipeline.training.prepare.check import trained_problems
+from eagleops.pipeline.training.prepare.inputs import read_conversations
+from eagleops.pipeline.training.prepare.samples import Built
+from eagleops.pipeline.training.prepare.stage import DROPPED_AS, build_row, drop_reason, sample_builder
 
 __all__ = ["DatasetReport", "FormatView", "InspectReport", "Reason", "SampleView", "Span", "inspect_run", "render_text"]
 

@@ -18,9 +18,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.formats.thinking import split_thinking
-from pipeline.training.modeling.reply_format import ReplyFormat, Unrepresentable, learn_reply_format
-from pipeline.training.prepare.chat_template import PrepareError, render_ids, render_text
+from eagleops.pipeline.formats.thinking import split_thinking
+from eagleops.pipeline.training.modeling.reply_format import ReplyFormat, Unrepresentable, learn_reply_format
+from eagleops.pipeline.training.prepare.chat_template import PrepareError, render_ids, render_text
 
 __all__ = ["Built", "Reply", "SampleBuilder", "Unrepresentable"]
 

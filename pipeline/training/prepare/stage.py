@@ -24,18 +24,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import RunConfig
-from pipeline.config.run import THINKING
-from pipeline.training.artifacts import PreparedIndex, PreparedShard
-from pipeline.training.context import StageContext
-from pipeline.training.modeling.target import head_rows, require_target
-from pipeline.training.modeling.thinking_switch import template_kwargs
-from pipeline.training.modeling.turns import reply_stop_ids
-from pipeline.training.prepare.chat_template import PrepareError, load_chat_tokenizer
-from pipeline.training.prepare.check import trained_problems
-from pipeline.training.prepare.inputs import Sample, fingerprint, read_conversations, read_extra
-from pipeline.training.prepare.samples import Built, SampleBuilder
-from pipeline.training.prepare.vocab import write_draft_vocab
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.config.run import THINKING
+from eagleops.pipeline.training.artifacts import PreparedIndex, PreparedShard
+from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.modeling.target import head_rows, require_target
+from eagleops.pipeline.training.modeling.thinking_switch import template_kwargs
+from eagleops.pipeline.training.modeling.turns import reply_stop_ids
+from eagleops.pipeline.training.prepare.chat_template import PrepareError, load_chat_tokenizer
+from eagleops.pipeline.training.prepare.check import trained_problems
+from eagleops.pipeline.training.prepare.inputs import Sample, fingerprint, read_conversations, read_extra
+from eagleops.pipeline.training.prepare.samples import Built, SampleBuilder
+from eagleops.pipeline.training.prepare.vocab import write_draft_vocab
 
 __all__ = ["DROPPED_AS", "build_row", "drop_reason", "prepare", "sample_builder"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from pipeline.training.artifacts import DRAFT_VOCAB
+from eagleops.pipeline.training.artifacts import DRAFT_VOCAB
 
 __all__ = ["build_draft_vocab", "write_draft_vocab"]
 

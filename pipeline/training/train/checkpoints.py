@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.training.artifacts import INDEX, CaptureLayout, Checkpoint
+from eagleops.pipeline.training.artifacts import INDEX, CaptureLayout, Checkpoint
 
 __all__ = ["checkpoint_to_resume", "write_checkpoint"]
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.training.modeling.drafter import Eagle3Drafter
+from eagleops.pipeline.training.modeling.drafter import Eagle3Drafter
 
 __all__ = ["full_state", "init_distributed", "load_full_state", "parallelize"]
 

@@ -20,21 +20,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.config import RunConfig
-from pipeline.errors import ConfigError
-from pipeline.training.artifacts import PreparedIndex, TrainResult
-from pipeline.training.context import StageContext, StageKilled
-from pipeline.training.features.cache import release_consumed, result_when_stalled, windowed_order
-from pipeline.training.features.layout import FeatureSet, feature_set_for_run
-from pipeline.training.features.reader import FeatureShards
-from pipeline.training.modeling.drafter import build_drafter
-from pipeline.training.modeling.drafter_config import geometry_mismatches
-from pipeline.training.modeling.target import head_and_embeddings, pick_device, require_target, target_shape
-from pipeline.training.tracking import Trackers
-from pipeline.training.train.checkpoints import checkpoint_to_resume, write_checkpoint
-from pipeline.training.train.data import collate, shuffled_order
-from pipeline.training.train.distributed import full_state, init_distributed, load_full_state, parallelize
-from pipeline.training.train.loss import Eagle3Objective
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.errors import ConfigError
+from eagleops.pipeline.training.artifacts import PreparedIndex, TrainResult
+from eagleops.pipeline.training.context import StageContext, StageKilled
+from eagleops.pipeline.training.features.cache import release_consumed, result_when_stalled, windowed_order
+from eagleops.pipeline.training.features.layout import FeatureSet, feature_set_for_run
+from eagleops.pipeline.training.features.reader import FeatureShards
+from eagleops.pipeline.training.modeling.drafter import build_drafter
+from eagleops.pipeline.training.modeling.drafter_config import geometry_mismatches
+from eagleops.pipeline.training.modeling.target import head_and_embeddings, pick_device, require_target, target_shape
+from eagleops.pipeline.training.tracking import Trackers
+from eagleops.pipeline.training.train.checkpoints import checkpoint_to_resume, write_checkpoint
+from eagleops.pipeline.training.train.data import collate, shuffled_order
+from eagleops.pipeline.training.train.distributed import full_state, init_distributed, load_full_state, parallelize
+from eagleops.pipeline.training.train.loss import Eagle3Objective
 
 __all__ = ["train"]
 

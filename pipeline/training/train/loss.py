@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.training.modeling.drafter import DraftCache, Eagle3Drafter
+from eagleops.pipeline.training.modeling.drafter import DraftCache, Eagle3Drafter
 
 __all__ = ["Eagle3Objective", "target_top_and_draft_probs"]
 

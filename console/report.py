@@ -5,8 +5,17 @@ from __future__ import annotations
 import json
 import time
 
-from pipeline.config import format_tokens
-from pipeline.protocol.events import DatasetProgress, EndpointStats, Event, LogEvent, RunState, StageMetrics, StageProgress, StageState
+from eagleops.pipeline.config import format_tokens
+from eagleops.pipeline.protocol.events import (
+    DatasetProgress,
+    EndpointStats,
+    Event,
+    LogEvent,
+    RunState,
+    StageMetrics,
+    StageProgress,
+    StageState,
+)
 
 __all__ = [
     "STATUS_WIDTH",

@@ -7,7 +7,7 @@ every reply carries the prompt's and the reply's token ids, as vLLM's ``return_t
 A request whose client disconnects is dropped, and a batch whose clients all left stops early.
 ``/metrics`` speaks vLLM's metric names, so the console's server pane reads it like vLLM.
 
-    python -m pipeline.servers.model --model DIR --port 0 --port-file PORT
+    python -m eagleops.pipeline.demo.model_server --model DIR --port 0 --port-file PORT
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from aiohttp import web
 
-from pipeline.formats.engine_messages import as_engine_renders
-
-from .common import LOOPBACK, serve_forever, wait_unless_disconnected
+from eagleops.pipeline.formats.engine_messages import as_engine_renders
+from eagleops.pipeline.servers.common import LOOPBACK, serve_forever, wait_unless_disconnected
 
 
 @dataclass
@@ -59,7 +58,7 @@ class ModelServer:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from pipeline.cpus import torch_threads
+        from eagleops.pipeline.cpus import torch_threads
 
         torch.set_num_threads(threads or torch_threads()[0])  # the cores it gets, not every core it sees
         self.torch = torch

@@ -1,4 +1,6 @@
-"""``eagleops``: the command line. Textual is imported only when a TUI is really opened."""
+"""``eagleops``: the command line, one argument tree for every command (a stage's subcommand
+and torchrun's entry come from ``pipeline.stages``). Textual is imported only when a TUI is really
+opened; the entry point (``eagleops.__main__``) has set the signals by the time this is imported."""
 
 from __future__ import annotations
 
@@ -12,14 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from console import early_signals  # first of ours: it takes a headless run's signals at once
-from pipeline.config import load_run, parse_tokens
-from pipeline.errors import EagleOpsError
-from pipeline.protocol.control import ControlClient, ControlError, find_sockets, runtime_dir
-from pipeline.protocol.events import Command, DatasetProgress, Kill, Pause, Resume, SetBudget
-from pipeline.protocol.report import detail_text, format_event, json_line, status_line
+from eagleops.console.report import detail_text, format_event, json_line, status_line
+from eagleops.pipeline.config import load_run, parse_tokens
+from eagleops.pipeline.errors import EagleOpsError, ExitCode
+from eagleops.pipeline.protocol.control import ControlClient, ControlError, find_sockets, runtime_dir
+from eagleops.pipeline.protocol.events import Command, DatasetProgress, Kill, Pause, Resume, SetBudget
+from eagleops.pipeline.stages import STAGE_NAMES, STAGES, stage
+from eagleops.signals import hung_up
 
-EXIT_USAGE = 2
 DEMO_DIR = Path("eagleops-demo")
 
 
@@ -41,14 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("run_file", type=Path)
     add_view_flags(run)
 
-    for stage, what in (
-        ("prepare", "merge, dedupe, shuffle, template, tokenize, loss masks, draft vocabulary"),
-        ("extract", "run the target and store the hidden states EAGLE-3 trains on"),
-        ("train", "train the drafter (several GPUs: torchrun --nproc_per_node N -m pipeline train RUN.toml)"),
-        ("export", "write the drafter for SGLang/vLLM (config.json + safetensors)"),
-        ("eval", "acceptance length on held-out prompts: offline, or through vLLM / SGLang ([eval] backend)"),
-    ):
-        p = sub.add_parser(stage, help=what)
+    for each in STAGES:  # one stage alone; `run` runs those the run file names
+        p = sub.add_parser(each.name, help=each.summary)
         p.add_argument("run_file", type=Path)
         add_view_flags(p)
 
@@ -111,7 +107,7 @@ def _demo_parser(sub: Any) -> argparse.ArgumentParser:
     return demo
 
 
-def _die(message: str, code: int = 1) -> int:
+def _die(message: str, code: int = ExitCode.FAILED) -> int:
     print(f"eagleops: {message}", file=sys.stderr)
     return code
 
@@ -153,7 +149,7 @@ async def _remote(args: argparse.Namespace) -> int:
             try:
                 tokens = parse_tokens(args.tokens)
             except ValueError as exc:
-                return _die(str(exc), EXIT_USAGE)
+                return _die(str(exc), ExitCode.USAGE)
             command: Command = SetBudget(args.dataset, tokens)
         else:
             command = {"pause": Pause, "resume": Resume, "kill": Kill}[args.command](args.dataset)
@@ -164,32 +160,29 @@ async def _remote(args: argparse.Namespace) -> int:
         await client.close()
 
 
-STAGE_COMMANDS = ("prepare", "extract", "train", "export", "eval")
-
-
 def _run(config, args: argparse.Namespace, stages: tuple[str, ...] | None = None) -> int:
-    from pipeline.engine.headless import run_headless
+    from eagleops.headless import run_headless
 
-    if stages is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's `-m console.cli train`, kept working
-        from pipeline.__main__ import run_on_every_rank
+    if stages is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's `-m eagleops train`, kept working
+        from eagleops.ranks import run_on_every_rank
 
         return run_on_every_rank(config, stages[0])
     if not (args.no_tui or args.json):
         if not sys.stdout.isatty():
             print("eagleops: stdout is not a terminal; running headless (--no-tui)", file=sys.stderr)
         elif getattr(args, "in_process", False) or args.command == "demo":  # the demo's model server lives in this process
-            from console.session import run_console
+            from eagleops.console.session import run_console
 
             return asyncio.run(run_console(config, theme=args.theme, refresh_s=args.refresh, stages=stages))
         else:
             return _run_detached(config, args)
-    return asyncio.run(run_headless(config, as_json=args.json, stages=stages, hung_up=early_signals.hung_up))
+    return asyncio.run(run_headless(config, as_json=args.json, stages=stages, hung_up=hung_up))
 
 
 def _run_detached(config, args: argparse.Namespace) -> int:
     """The engine in a session of its own, the console attached: closing it leaves the run going."""
-    from console.detached import start_detached
-    from console.session import attach_console
+    from eagleops.console.detached import start_detached
+    from eagleops.console.session import attach_console
 
     engine = start_detached(config, [args.command, str(args.run_file)])
     if (code := engine.exit_code()) is not None:
@@ -207,30 +200,30 @@ def _run_detached(config, args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     """Exit 0 when every record builds and every mask checks out; 2 (what prepare would exit) if not."""
-    from pipeline.training.prepare.inspect import inspect_run, render_text
+    from eagleops.pipeline.training.prepare.inspect import inspect_run, render_text
 
     if args.samples < 0:
-        return _die("--samples must be 0 or more", EXIT_USAGE)
+        return _die("--samples must be 0 or more", ExitCode.USAGE)
     config = load_run(args.run_file)
     if config.target is None:
-        return _die(f"{args.run_file}: inspect needs a [target] table naming the target model", EXIT_USAGE)
+        return _die(f"{args.run_file}: inspect needs a [target] table naming the target model", ExitCode.USAGE)
     report = inspect_run(config, args.samples, args.dataset)
     if args.json:
         print(json.dumps(report.to_json(), ensure_ascii=False, indent=1))
     else:
         color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
         print(render_text(report, color=color, context_chars=None if args.full else 600))
-    return 0 if report.ok else EXIT_USAGE
+    return 0 if report.ok else ExitCode.USAGE
 
 
 def _sources(args: argparse.Namespace) -> int:
     """Exit 0 when every source opens and its first rows read; 2 when one does not."""
-    from pipeline.sources.preview import preview_json, preview_sources, render_preview
+    from eagleops.pipeline.sources.preview import preview_json, preview_sources, render_preview
 
     previews = preview_sources(load_run(args.run_file), max(1, args.rows), args.dataset)
     width = shutil.get_terminal_size((80, 24)).columns
     print(preview_json(previews) if args.json else render_preview(previews, max(60, width)), end="" if not args.json else "\n")
-    return EXIT_USAGE if any(p.error or (p.bad and not p.rows) for p in previews) else 0
+    return ExitCode.USAGE if any(p.error or (p.bad and not p.rows) for p in previews) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,17 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(load_run(args.run_file), args)
-        if args.command in STAGE_COMMANDS:
+        if args.command in STAGE_NAMES:
             config = load_run(args.run_file)
-            if config.target is None:
-                return _die(f"{args.run_file}: {args.command} needs a [target] table naming the target model", EXIT_USAGE)
+            if config.target is None and stage(args.command).needs_target:
+                return _die(f"{args.run_file}: {args.command} needs a [target] table naming the target model", ExitCode.USAGE)
             return _run(config, args, stages=(args.command,))
         if args.command == "inspect":
             return _inspect(args)
         if args.command == "sources":
             return _sources(args)
         if args.command == "demo":
-            from pipeline.demo.demo import DemoRun, prepare_demo, prepare_real_demo
+            from eagleops.pipeline.demo.demo import DemoRun, prepare_demo, prepare_real_demo
 
             say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
             demo: DemoRun
@@ -260,19 +253,15 @@ def main(argv: list[str] | None = None) -> int:
             with demo.serve() as run_path:
                 return _run(load_run(run_path), args)
         if args.command == "attach":
-            from console.session import attach_console
+            from eagleops.console.session import attach_console
 
             return asyncio.run(attach_console(_socket(args.socket or args.socket_option), theme=args.theme, refresh_s=args.refresh))
         return asyncio.run(_remote(args))
     except EagleOpsError as exc:
         return _die(str(exc), exc.exit_code)
     except KeyboardInterrupt:
-        return 130
+        return ExitCode.KILLED
     except BrokenPipeError:  # `eagleops status --json | head -1`: the reader had what it wanted
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's exit flush does not fail again
         return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,5 @@
-"""``--no-tui``: the engine with its events printed as status lines or JSON lines."""
+"""``--no-tui``: the engine with its events printed as status lines or JSON lines (the same
+events the console renders, in the same words: ``console.report``)."""
 
 from __future__ import annotations
 
@@ -12,21 +13,17 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from pipeline.config import RunConfig
-from pipeline.engine import Engine, RunSummary
-from pipeline.engine.engine import EXIT_FAILED, EXIT_KILLED, EXIT_OK, EXIT_SHORTFALL
-from pipeline.protocol.events import DatasetProgress, DatasetState, StageMetrics, StageProgress
-from pipeline.protocol.report import STATUS_WIDTH, format_event, json_line, status_line, totals_line
+from eagleops.console.report import STATUS_WIDTH, format_event, json_line, status_line, totals_line
+from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.engine import Engine
+from eagleops.pipeline.errors import ExitCode
+from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState, StageMetrics, StageProgress
 
 # stages whose measurements are a curve worth a line each (train's loss, extract's cache); the
 # others log their result in a line of their own
 CURVES = ("train", "extract")
 
-__all__ = ["EXIT_FAILED", "EXIT_KILLED", "EXIT_OK", "EXIT_SHORTFALL", "exit_code", "install_kill_signals", "run_headless"]
-
-
-def exit_code(summary: RunSummary) -> int:
-    return summary.exit_code
+__all__ = ["install_kill_signals", "run_headless"]
 
 
 def install_kill_signals(engine: Engine) -> None:
@@ -38,7 +35,7 @@ def install_kill_signals(engine: Engine) -> None:
         nonlocal hits
         hits += 1
         if hits > 1:
-            os._exit(EXIT_KILLED)  # the manifest is always consistent on disk; nothing to save
+            os._exit(ExitCode.KILLED)  # the manifest is always consistent on disk; nothing to save
         engine.kill()
 
     def on_hangup() -> None:  # the terminal went (an SSH drop): the run goes on, its output nowhere
@@ -140,4 +137,4 @@ async def run_headless(
             await server.close()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(printer, 5)
-    return exit_code(summary)
+    return summary.exit_code

@@ -34,7 +34,7 @@ A reply never has more tokens than the request's ``max_tokens`` (it is cut there
 ``GET /admin/stats`` reports requests, completions, disconnects, peak concurrency and the
 ``max_tokens`` requests asked for.
 
-    python -m pipeline.servers.fault --port 0 --port-file PORT
+    python -m eagleops.pipeline.testservers.fault --port 0 --port-file PORT
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import time
 
 from aiohttp import web
 
-from .common import LOOPBACK, client_gone, serve_forever
+from eagleops.pipeline.servers.common import LOOPBACK, client_gone, serve_forever
 
 _DIRECTIVE = re.compile(r"\[\[(fault|tokens|delay|cost|think|usage|bigreply):([^\]]+)\]\]")
 _ALWAYS = ("stall", "echo-auth", "echo-auth-late", "echo-auth-json")  # faults that never clear
