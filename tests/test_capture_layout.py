@@ -44,10 +44,14 @@ def test_the_exported_config_names_the_layers_in_both_engines_keys_and_reads_bac
     target = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4)
     trained = drafter_config_from_target(target, draft_vocab_size=32, aux_layers=(1, 3, 4))
     assert trained.architectures == [ARCHITECTURE] and trained.target_hidden_size == 64
+    # until export the drafter spec is in our own terms: its kind and our layer numbering, no engine's ids
+    assert trained.drafter == "eagle3" and trained.aux_layers == [1, 3, 4]
+    assert not {"eagle_config", "eagle_aux_hidden_state_layer_ids"} & set(trained.to_dict())
     payload = exported_config(trained.to_dict(), CaptureLayout((1, 3, 4), 64, "bf16"), "bfloat16")
     assert payload["architectures"] == [ARCHITECTURE] and payload["draft_vocab_size"] == 32
     assert payload["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert payload["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert "aux_layers" not in payload  # one numbering in the exported file: the engines'
     (tmp_path / "config.json").write_text(json.dumps(payload))
     assert exported_capture(tmp_path / "config.json") == CaptureLayout((1, 3, 4), 64)
 

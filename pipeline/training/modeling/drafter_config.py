@@ -1,6 +1,8 @@
-"""The drafter's config, built in one place: the ``LlamaConfig`` we train with and the
-``config.json`` SGLang and vLLM load from an export carry the same EAGLE-3 fields, written by
-``_eagle3_fields`` alone; ``exported_capture`` reads them back.
+"""The drafter's config, built in one place: the ``LlamaConfig`` we train with (and checkpoint)
+says the drafter's kind (``drafter``) and the layers it reads in our own numbering
+(``aux_layers``); the ``config.json`` SGLang and vLLM load from an export names those layers in
+the engines' numbering instead, written by ``_engine_layer_fields`` alone at export;
+``exported_capture`` reads them back.
 
 SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids``; vLLM reads the top-level key
 first. Each is in its engine's own numbering (``modeling.layers``).
@@ -33,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import DRAFTERS, TrainConfig
-from pipeline.errors import ConfigError, InputError
-from pipeline.training.artifacts import CaptureLayout
-from pipeline.training.modeling.layers import engine_layer_ids, layers_from_engine_ids, layers_from_sglang_ids, sglang_layer_ids
-from pipeline.training.modeling.rope import engine_rope_scaling
+from eagleops.pipeline.config import DRAFTERS, TrainConfig
+from eagleops.pipeline.errors import ConfigError, InputError
+from eagleops.pipeline.training.artifacts import CaptureLayout
+from eagleops.pipeline.training.modeling.layers import engine_layer_ids, layers_from_engine_ids, layers_from_sglang_ids, sglang_layer_ids
+from eagleops.pipeline.training.modeling.rope import engine_rope_scaling
 
 __all__ = [
     "ARCHITECTURE",
@@ -145,29 +147,32 @@ def _mla_attention(text: Any, choice: DrafterChoice) -> dict[str, Any]:
             "v_head_dim": v}  # fmt: skip
 
 
-def _eagle3_fields(
-    aux_layers: Sequence[int], *, draft_vocab_size: int, target_hidden_size: int, target_architecture: str | None
-) -> dict[str, Any]:
+def _engine_layer_fields(aux_layers: Sequence[int], target_architecture: str | None) -> dict[str, Any]:
+    """The keys with which SGLang and vLLM name the captured layers: engine numbering, written
+    at export only (a trained drafter's config keeps ``aux_layers`` in ours)."""
     vllm = engine_layer_ids(aux_layers, "vllm")
     # where SGLang cannot name these layers (serving_engines leaves it out), its key repeats vLLM's
     sglang = sglang_layer_ids(aux_layers, target_architecture) or vllm
     return {
-        "architectures": [ARCHITECTURE],
-        "draft_vocab_size": draft_vocab_size,
-        "target_hidden_size": target_hidden_size,
-        "target_architecture": target_architecture,  # SGLang numbers the layers by it (modeling.layers)
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang, "use_aux_hidden_state": True},
         "eagle_aux_hidden_state_layer_ids": vllm,
     }
 
 
 def _aux_layers(config: dict[str, Any]) -> tuple[int, ...]:
-    """Our aux layers, from vLLM's key (every engine's ids say the same where they can)."""
+    """Our aux layers: a trained drafter's config has them as they are; an exported one in vLLM's
+    key (every engine's ids say the same where they can)."""
+    if "aux_layers" in config:
+        return tuple(int(layer) for layer in config["aux_layers"])
     return layers_from_engine_ids(config["eagle_aux_hidden_state_layer_ids"], "vllm")
 
 
 def drafter_kind(config: dict[str, Any]) -> str:
-    """The kind (``DRAFTERS``) a drafter's config dict describes, from the keys the engines read."""
+    """The kind (``DRAFTERS``) a drafter's config dict describes: a trained drafter's says it
+    (``drafter``); an exported one's (the engines' format, ours or another tool's) is read from
+    the keys the engines read."""
+    if config.get("drafter") in DRAFTERS:
+        return str(config["drafter"])
     attention = "mla" if config.get("kv_lora_rank") is not None else "eagle3"
     if config.get("fc_norm") and config.get("norm_output"):
         return "mla3.1" if attention == "mla" else "eagle3.1"
@@ -240,11 +245,12 @@ def drafter_config_from_target(
         # refused here too, before a training whose drafter no engine would serve as trained
         engine_rope_scaling({k: v for k, v in rope.items() if k != "rope_theta"})
     architecture = (getattr(target_config, "architectures", None) or [None])[0]
-    fields = _eagle3_fields(
-        aux_layers, draft_vocab_size=draft_vocab_size, target_hidden_size=text.hidden_size, target_architecture=architecture
-    )
-    for key, value in fields.items():
-        setattr(config, key, value)
+    config.architectures = [ARCHITECTURE]
+    config.draft_vocab_size = draft_vocab_size
+    config.target_hidden_size = text.hidden_size
+    config.target_architecture = architecture  # SGLang numbers the layers by it (modeling.layers)
+    # the drafter spec, in our own terms until export: its kind, and the layers it reads in our numbering
+    config.drafter, config.aux_layers = choice.kind, [int(layer) for layer in aux_layers]
     return config
 
 
@@ -264,11 +270,11 @@ def exported_config(drafter_config: dict[str, Any], capture: CaptureLayout, dtyp
     exported = engine_rope_scaling(scaling if scaling.get("rope_type", "default") != "default" else None)
     payload["rope_scaling"] = exported
     payload["rope_parameters"] = {**(exported or {"rope_type": "default"}), "rope_theta": payload["rope_theta"]}
-    payload.update(
-        _eagle3_fields(capture.aux_layers, draft_vocab_size=payload["draft_vocab_size"], target_hidden_size=capture.hidden_size,
-                       target_architecture=drafter_config.get("target_architecture"))
-    )  # fmt: skip
-    if drafter_kind(payload).startswith("mla"):
+    kind = drafter_kind(payload)
+    payload.pop("aux_layers", None)  # one numbering in the file: the engines'
+    payload.pop("drafter", None)
+    payload.update(_engine_layer_fields(capture.aux_layers, drafter_config.get("target_architecture")))
+    if kind.startswith("mla"):
         # vLLM builds it from a DeepseekV2Config: MLA attention, one dense MLP (never MoE)
         payload.update(architectures=[MLA_ARCHITECTURE], model_type=MLA_MODEL_TYPE)
     return payload
