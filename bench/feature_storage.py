@@ -40,8 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
+from eagleops.pipeline.config import TargetConfig
 from eagleops.pipeline.training.features.shards import CODECS, Int8
-from eagleops.pipeline.training.modeling.target import head_and_embeddings
+from eagleops.pipeline.training.modeling.profile import head_and_embeddings, learn_profile
 
 FIXED = 4 + 1  # int32 id + uint8 loss mask per token
 
@@ -212,7 +213,8 @@ def main() -> None:
     shutil.copytree(demo / "out" / "features", bf16)
     index = json.loads((bf16 / "index.json").read_text())
     hidden = index["hidden_size"]
-    head = head_and_embeddings(demo / index["target"] if not Path(index["target"]).is_absolute() else Path(index["target"]))[0].float()
+    model = demo / index["target"] if not Path(index["target"]).is_absolute() else Path(index["target"])
+    head = head_and_embeddings(learn_profile(TargetConfig(model=model)))[0].float()
     layouts = [layout for layout in LAYOUTS if layout.name in args.layouts]
     rows = []
     for layout in layouts:

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     from eagleops.pipeline.training.eval.decoding import CachedTarget, greedy_generate, speculative_generate
     from eagleops.pipeline.training.eval.stage import _held_out_prompts, _prompt_ids
     from eagleops.pipeline.training.modeling.drafter import load_exported
-    from eagleops.pipeline.training.modeling.target import head_and_embeddings, load_target, load_target_tokenizer
+    from eagleops.pipeline.training.modeling.profile import head_and_embeddings, target_profile
+    from eagleops.pipeline.training.modeling.target import load_target, load_target_tokenizer
     from eagleops.pipeline.training.modeling.turns import reply_stop_ids
 
     config = load_run(args.run)
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_target_tokenizer(target)
     model, device, dtype = load_target(target)
     aux_layers = FeaturesIndex.read(config.features_dir).capture.aux_layers
-    drafter = load_exported(config.export_dir, head_and_embeddings(target.model)[1]).to(device).eval()
+    drafter = load_exported(config.export_dir, head_and_embeddings(target_profile(config))[1]).to(device).eval()
     stops = reply_stop_ids(tokenizer, target.model)
     prompts = [_prompt_ids(tokenizer, row) for row in _held_out_prompts(config)][: args.prompts]
     cached = CachedTarget(model, aux_layers, device)

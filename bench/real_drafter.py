@@ -245,7 +245,7 @@ def train_specforge(work: Path, args: argparse.Namespace) -> None:
     from eagleops.pipeline.training.artifacts import DRAFT_VOCAB
     from eagleops.pipeline.training.features.reader import FeatureShards
     from eagleops.pipeline.training.modeling.drafter_config import DrafterChoice, drafter_config_from_target
-    from eagleops.pipeline.training.modeling.target import head_and_embeddings, head_rows, load_target_config
+    from eagleops.pipeline.training.modeling.profile import head_and_embeddings, target_config, target_profile
     from eagleops.pipeline.training.train.data import collate, shuffled_order
 
     config = _config(work, args)
@@ -255,10 +255,10 @@ def train_specforge(work: Path, args: argparse.Namespace) -> None:
     features = FeatureShards(config.features_dir)
     vocab = load_file(str(config.prepared_dir / DRAFT_VOCAB))
     drafter_config = drafter_config_from_target(
-        load_target_config(config.target), draft_vocab_size=len(vocab["d2t"]), aux_layers=features.capture.aux_layers,
-        vocab_size=head_rows(config.target.model), choice=DrafterChoice.from_train(tc),
+        target_config(config), draft_vocab_size=len(vocab["d2t"]), aux_layers=features.capture.aux_layers,
+        vocab_size=target_profile(config).head_rows, choice=DrafterChoice.from_train(tc),
     )  # fmt: skip
-    head, embed = head_and_embeddings(config.target.model)
+    head, embed = head_and_embeddings(target_profile(config))
     target = types.SimpleNamespace(embed=embed.float(), head=head.float())
     per_epoch = len(features) // tc.batch_size
     total = min(per_epoch * tc.epochs, tc.max_steps) if tc.max_steps else per_epoch * tc.epochs

@@ -91,6 +91,23 @@ def make_config(tmp_path: Path, base_url: str, datasets: list[dict], **top):
     return parse_run(data, origin=str(tmp_path / "run.toml"), base_dir=tmp_path)
 
 
+async def engine_ticks(engine, n: int = 3, timeout: float = 30.0) -> None:
+    """Wait for ``n`` more rounds of the engine's periodic progress reports: a quiet spell
+    measured in the engine's own ticks (it had ``n`` chances to move), not in a sleep."""
+    from eagleops.pipeline.protocol.events import DatasetProgress
+
+    subscription = engine.subscribe()
+    seen, wanted = 0, n * max(1, len(engine.generate.runners))
+    try:
+        async with asyncio.timeout(timeout):
+            async for event in subscription:
+                seen += isinstance(event, DatasetProgress)
+                if seen > wanted:  # the snapshot's own reports come first: they do not count
+                    return
+    finally:
+        subscription.close()
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []

@@ -469,6 +469,18 @@ async def test_two_attached_consoles_see_the_same_headless_run(tmp_path, fault_s
             engine.kill()
 
 
+def _consoles_of(run: Path) -> list[int]:
+    """Pids of consoles (not the headless engine) started on ``run``."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if str(run) in cmd and "--no-tui" not in cmd and any("eagleops" in part for part in cmd):
+            found.append(proc.info["pid"])
+    return found
+
+
 def _stop_detached_engine(out_dir: Path) -> None:
     """A test that failed half way must not leave a detached engine running: its pid is in the lock."""
     with contextlib.suppress(OSError, ValueError):
@@ -518,7 +530,10 @@ def test_the_real_program_in_a_terminal(tmp_path, fault_server):
         keys("7", "M", "Enter")
         wait_screen("budget B2: 2M -> 7M")
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)  # the SSH session drops
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30
+        while _consoles_of(run):  # the console is gone with its terminal; only then does the engine's fate show
+            assert time.monotonic() < deadline, "the console outlived its terminal"
+            time.sleep(0.2)
         status = _cli("status")
         assert status.returncode == 0 and "7M" in status.stdout, status.stderr  # the run goes on without its terminal
         assert (tmp_path / "out" / "engine.log").exists()

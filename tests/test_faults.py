@@ -37,7 +37,7 @@ from eagleops.pipeline.protocol.control import (
 from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState, LogEvent
 from eagleops.pipeline.servers.supervisor import free_port
 
-from .conftest import make_config, read_jsonl, write_jsonl
+from .conftest import engine_ticks, make_config, read_jsonl, write_jsonl
 from .test_generate import prompts, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,14 +98,14 @@ async def test_a_full_disk_ends_with_nothing_saved_past_a_partial_line_when_kill
     source = write_jsonl(tmp_path / "a.jsonl", prompts(200, "[[tokens:5]] [[delay:0.01]]", prefix="dead"))
     config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}], concurrency=8)
     fault_server.reset()
-    engine = Engine(config)
+    engine = Engine(config, progress_interval_s=0.1)
     await engine.open()
     monkeypatch.setattr(store_module.os, "pwrite", disk)
     task = asyncio.create_task(engine.run())
     runner = engine.generate.runners["A"]
     await wait_for(lambda: runner.storage_error is not None and runner.in_flight == 0)
     held, asked = runner.store.buffered(), fault_server.stats()["requests"]
-    await asyncio.sleep(0.3)
+    await engine_ticks(engine, 3)
     # paused: no new requests, so what is held in memory stays what was finished when the disk filled
     assert runner.store.buffered() == held < 200 and fault_server.stats()["requests"] == asked
     engine.kill()

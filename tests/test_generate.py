@@ -25,7 +25,7 @@ from eagleops.pipeline.protocol.events import (
     event_from_json,
 )
 
-from .conftest import make_config, read_jsonl, write_jsonl
+from .conftest import engine_ticks, make_config, read_jsonl, write_jsonl
 
 
 def prompts(n: int, directive: str = "", prefix: str = "q") -> list[dict]:
@@ -192,14 +192,14 @@ async def test_lowering_with_cancel_flag_cancels_in_flight(tmp_path, fault_serve
 async def test_pause_lets_in_flight_finish_and_resume_continues(tmp_path, fault_server):
     source = write_jsonl(tmp_path / "a.jsonl", prompts(200, "[[tokens:10]] [[delay:0.05]]"))
     config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}], concurrency=4)
-    engine = Engine(config)
+    engine = Engine(config, progress_interval_s=0.1)
     run = asyncio.create_task(engine.run())
     await wait_for(lambda: "A" in engine.generate.runners and engine.generate.runners["A"].store.accepted.samples >= 8)
     await engine.execute(Pause("A"))
     runner = engine.generate.runners["A"]
     await wait_for(lambda: runner.in_flight == 0)
     paused_at = runner.store.accepted.samples
-    await asyncio.sleep(0.3)
+    await engine_ticks(engine, 3)  # three progress reports later, nothing moved
     assert runner.store.accepted.samples == paused_at and runner.state == DatasetState.PAUSED
     await engine.execute(Resume("A"))
     summary = await asyncio.wait_for(run, 30)
@@ -396,7 +396,6 @@ async def test_an_attaching_console_gets_recent_history(tmp_path, fault_server):
     server = await engine.serve_socket()
     task = asyncio.create_task(engine.run())
     engine.log("warning", "something happened before anyone attached", "A")
-    await asyncio.sleep(0.2)
     assert server is not None
     client = ControlClient(server.path)
     seen = []

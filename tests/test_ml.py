@@ -311,11 +311,12 @@ def moe_target(tmp_path_factory) -> Path:
 def test_a_deepseek_v3_moe_target_goes_through_every_stage(workdir, moe_target):
     from transformers import AutoModelForCausalLM
 
-    from eagleops.pipeline.training.modeling.target import head_and_embeddings
+    from eagleops.pipeline.config import TargetConfig
+    from eagleops.pipeline.training.modeling.profile import head_and_embeddings, learn_profile
 
     assert json.loads((moe_target / "config.json").read_text())["model_type"] == "deepseek_v3"
     assert len(json.loads((moe_target / "model.safetensors.index.json").read_text())["weight_map"]) > 20  # sharded
-    head, embed = head_and_embeddings(moe_target)  # from the shards, without the model
+    head, embed = head_and_embeddings(learn_profile(TargetConfig(model=moe_target)))  # from the shards, without the model
     model = AutoModelForCausalLM.from_pretrained(str(moe_target))
     assert torch.equal(head, model.lm_head.weight) and torch.equal(embed, model.get_input_embeddings().weight)
     config = _config(workdir, moe_target, train={"epochs": 1, "max_steps": 40})

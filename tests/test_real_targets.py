@@ -87,10 +87,11 @@ def test_a_wrapped_targets_head_and_embeddings_come_from_its_weight_map(zoo_mode
     import torch
     from safetensors import safe_open
 
-    from eagleops.pipeline.training.modeling.target import head_and_embeddings
+    from eagleops.pipeline.config import TargetConfig
+    from eagleops.pipeline.training.modeling.profile import head_and_embeddings, learn_profile
 
     folder = zoo_model("kimi-k2.5")
-    head, embeddings = head_and_embeddings(folder)
+    head, embeddings = head_and_embeddings(learn_profile(TargetConfig(model=folder, trust_remote_code=True)))
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     with safe_open(str(folder / index["language_model.lm_head.weight"]), framework="pt") as f:
         assert torch.equal(head, f.get_tensor("language_model.lm_head.weight"))
@@ -126,7 +127,7 @@ def test_any_wrappers_language_model_is_found_beside_its_vision_tower(tmp_path, 
     import torch
     from safetensors.torch import save_file
 
-    from eagleops.pipeline.training.modeling.target import language_model_weights
+    from eagleops.pipeline.training.modeling.target import language_model_weights, weight_map
 
     config = {"architectures": ["SomeVLForConditionalGeneration"], "vision_config": {"depth": 2}}
     config["text_config"] = {"num_hidden_layers": 2, "hidden_size": 4, "vocab_size": 10}
@@ -138,7 +139,10 @@ def test_any_wrappers_language_model_is_found_beside_its_vision_tower(tmp_path, 
     if head:
         tensors[head] = torch.ones(10, 4)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    assert language_model_weights(tmp_path) == (head or f"{layout}embed_tokens.weight", f"{layout}embed_tokens.weight")
+    assert language_model_weights(weight_map(tmp_path), 2, tmp_path) == (
+        head or f"{layout}embed_tokens.weight",
+        f"{layout}embed_tokens.weight",
+    )
 
 
 # ---- 3. one vocabulary size: the head's rows ----------------------------------------------------
@@ -171,8 +175,8 @@ def test_the_speculators_config_names_the_verifiers_own_architecture(target, zoo
 
     folder = zoo_files(target)
     server = {"draft_vocab_size": 64, "target_hidden_size": 64, "hidden_size": 64}
-    exported = speculators_config(server, CaptureLayout((1, 3, 4), 64), folder, draft_tokens=4)
     real = json.loads((folder / "config.json").read_text())["architectures"]
+    exported = speculators_config(server, CaptureLayout((1, 3, 4), 64), folder, real, draft_tokens=4)
     assert exported["speculators_config"]["verifier"]["architectures"] == real
 
 

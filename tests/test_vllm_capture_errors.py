@@ -17,7 +17,8 @@ import pytest
 from eagleops.pipeline.errors import RunError
 from eagleops.pipeline.servers import vllm_capture
 from eagleops.pipeline.servers.vllm import VllmLaunch, launch_for
-from eagleops.pipeline.training.extract.served import _rpc, capture_launch, is_multimodal, vllm_said
+from eagleops.pipeline.training.extract.served import _rpc, capture_launch, vllm_said
+from eagleops.pipeline.training.modeling.target import is_multimodal, raw_config
 
 from .test_real_targets import _config as zoo_run_config
 
@@ -188,19 +189,16 @@ def test_a_forward_fed_embeddings_is_refused_at_the_dump_not_in_the_forward(tmp_
 
 def test_a_multimodal_target_is_captured_as_its_language_model_only(zoo_files, tmp_path):
     kimi, qwen = zoo_files("kimi-k2.5"), zoo_files("qwen3-8b")
-    assert is_multimodal(kimi) and not is_multimodal(qwen)
+    assert is_multimodal(raw_config(kimi)) and not is_multimodal(raw_config(qwen))
     for model, flagged in ((kimi, True), (qwen, False)):
-        launch = capture_launch(VllmLaunch(sys.executable, model), tmp_path / "ext", 100)
+        launch = capture_launch(VllmLaunch(sys.executable, model), tmp_path / "ext", 100, multimodal=is_multimodal(raw_config(model)))
         assert ("--language-model-only" in launch.argv(8000)) is flagged
 
 
 def test_a_wrapper_of_a_text_config_without_a_vision_config_is_multimodal_too(tmp_path):
     config = {"architectures": ["SomeAudioForConditionalGeneration"], "audio_config": {}, "text_config": {"hidden_size": 8}}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    assert is_multimodal(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["T5ForConditionalGeneration"], "d_model": 8}))
-    assert not is_multimodal(tmp_path)
-    assert not is_multimodal(tmp_path / "not-a-checkpoint")
+    assert is_multimodal(config)
+    assert not is_multimodal({"architectures": ["T5ForConditionalGeneration"], "d_model": 8})
 
 
 @pytest.mark.parametrize("trusted", [True, False])

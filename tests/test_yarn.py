@@ -185,9 +185,6 @@ def test_vllms_own_rotary_code_on_the_exported_config_computes_trainings_tables(
 
 def _speculators(server: dict[str, Any], layout: CaptureLayout) -> dict[str, Any]:
     """The speculators-format export, the verifier's architectures given (no checkpoint here)."""
-    from unittest import mock
-
     from eagleops.pipeline.training.export.speculators import speculators_config
 
-    with mock.patch("eagleops.pipeline.training.export.speculators.verifier_architectures", lambda _: ["DeepseekV3ForCausalLM"]):
-        return speculators_config(server, layout, Path("/verifier"), 3)
+    return speculators_config(server, layout, Path("/verifier"), ["DeepseekV3ForCausalLM"], 3)

@@ -5,7 +5,6 @@ run side by side. Torch is imported when a stage runs, never with the engine."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from eagleops.pipeline.config import RunConfig
 from eagleops.pipeline.cpus import apply_torch_threads
@@ -18,8 +17,8 @@ __all__ = ["ComputeStages"]
 
 
 class ComputeStages:
-    def __init__(self, config: RunConfig, host: StageHost, redact: Callable[[str], str]):
-        self.config, self.host, self.redact = config, host, redact
+    def __init__(self, config: RunConfig, host: StageHost):
+        self.config, self.host = config, host
         self.results: dict[str, object] = {}
         self._running: dict[str, StageContext] = {}  # two while a train follows its extract
         self._killed = False
@@ -83,8 +82,7 @@ class ComputeStages:
             self.host.set_stage(name, StageStatus.KILLED, "killed; resumable")
             return StageStatus.KILLED
         except Exception as exc:
-            self.host.log("error", self.redact(f"{name}: {type(exc).__name__}: {exc}"))
-            self.host.set_stage(name, StageStatus.FAILED, self.redact(str(exc))[:200])
+            self.host.fail_stage(name, exc)
             return StageStatus.FAILED
         else:
             self.results[name] = result

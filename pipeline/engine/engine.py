@@ -8,6 +8,7 @@ reach the engine only through ``StageHost`` (publish, log, set_stage) and never 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,7 +115,7 @@ class Engine:
             name: StageState(name, StageStatus.PENDING if name in self.stages else StageStatus.SKIPPED) for name in STAGE_NAMES
         }
         self.generate = GenerateStage(config, self, clock=clock, progress_interval_s=progress_interval_s)
-        self.compute = ComputeStages(config, self, self.redact)
+        self.compute = ComputeStages(config, self)
         self._killed = False
         self._lock_file: IO[str] | None = None
         self.run_state = RunState(config.name, RunPhase.LIVE, time.time())
@@ -125,14 +126,26 @@ class Engine:
 
     # ---- StageHost: how stages are heard --------------------------------------------------------
     def publish(self, event: Event) -> None:
+        """Every event leaves through here, so every stage's words pass the one redactor: a log
+        line or a stage's detail naming a secret says ``[redacted]`` instead, whoever wrote it."""
+        if isinstance(event, LogEvent):
+            event = dataclasses.replace(event, message=self.redact(event.message))
+        elif isinstance(event, StageState) and event.detail:
+            event = dataclasses.replace(event, detail=self.redact(event.detail))
         self.bus.publish(event)
 
     def log(self, level: str, message: str, dataset: str | None = None) -> None:
-        self.publish(LogEvent(level, self.redact(message), dataset))
+        self.publish(LogEvent(level, message, dataset))
 
     def set_stage(self, name: str, status: StageStatus, detail: str = "") -> None:
-        self.stage_states[name] = StageState(name, status, detail)
+        self.stage_states[name] = StageState(name, status, self.redact(detail))
         self.publish(self.stage_states[name])
+
+    def fail_stage(self, name: str, exc: BaseException) -> None:
+        """The one failure policy, for every stage: the error logged and the stage FAILED with it
+        (the run goes on to its summary; the stages after it do not start)."""
+        self.log("error", f"{name}: {type(exc).__name__}: {exc}" if not isinstance(exc, EagleOpsError) else f"{name}: {exc}")
+        self.set_stage(name, StageStatus.FAILED, str(exc)[:200])
 
     # ---- what the control socket serves ---------------------------------------------------------
     def subscribe(self) -> Subscription:
@@ -203,7 +216,7 @@ class Engine:
         # thinking on and off in the words the target's own template reads (Kimi `thinking`,
         # Qwen3 `enable_thinking`, gpt-oss `reasoning_effort`); learning them loads its
         # tokenizer, so off the event loop
-        from eagleops.pipeline.training.modeling.thinking_switch import with_target_thinking_switch
+        from eagleops.pipeline.training.modeling.profile import with_target_thinking_switch
 
         self.config = self.generate.config = await asyncio.to_thread(with_target_thinking_switch, self.config)
         if self.config.target is not None:  # nothing is paid for that prepare would not train
@@ -265,7 +278,10 @@ class Engine:
 
     async def _run_stages(self) -> None:
         if "generate" in self.stages:
-            await self.generate.run()
+            try:
+                await self.generate.run()
+            except Exception as exc:  # a bug, not a refusal: generate's own errors set its state
+                self.fail_stage("generate", exc)
         for group in self.compute.groups(self.stages):
             if self._killed or any(state.status == StageStatus.FAILED for state in self.stage_states.values()):
                 break

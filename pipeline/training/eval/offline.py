@@ -27,7 +27,8 @@ from eagleops.pipeline.training.eval.acceptance import acceptance_from_steps
 from eagleops.pipeline.training.eval.benchmarks import Work
 from eagleops.pipeline.training.eval.decoding import CachedTarget, greedy_generate, speculative_generate
 from eagleops.pipeline.training.modeling.drafter import build_drafter, load_exported
-from eagleops.pipeline.training.modeling.target import head_and_embeddings, load_target, require_target
+from eagleops.pipeline.training.modeling.profile import head_and_embeddings, target_profile
+from eagleops.pipeline.training.modeling.target import load_target, require_target
 
 __all__ = ["evaluate_offline"]
 
@@ -43,7 +44,7 @@ def evaluate_offline(
     if untrained:
         drafter = build_drafter(config, aux_layers, seed=config.train.seed + 1)
     else:
-        _, embeddings = head_and_embeddings(target.model)
+        _, embeddings = head_and_embeddings(target_profile(config))
         drafter = load_exported(config.export_dir, embeddings)
     drafter = drafter.to(device).eval()
     k = config.eval.draft_tokens

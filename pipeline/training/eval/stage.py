@@ -28,6 +28,7 @@ from eagleops.pipeline.training.eval.benchmarks import (
 )
 from eagleops.pipeline.training.eval.offline import evaluate_offline
 from eagleops.pipeline.training.modeling.drafter_config import exported_capture
+from eagleops.pipeline.training.modeling.profile import target_profile
 from eagleops.pipeline.training.modeling.target import load_target_tokenizer, require_target
 from eagleops.pipeline.training.modeling.thinking_switch import template_kwargs
 from eagleops.pipeline.training.modeling.turns import reply_stop_ids
@@ -106,7 +107,7 @@ def _work(config: RunConfig, ctx: StageContext, tokenizer: Any, thinking: str) -
         return outputs
 
     work: list[Work] = [("held-out", len(prompts), held_out)]
-    template = template_kwargs(config, tokenizer, thinking)
+    template = template_kwargs(config, target_profile(config).thinking_switch, thinking)
 
     def asked(items: list[BenchmarkItem]) -> Callable[[Decode], list[list[int]]]:
         return lambda decode: ask_turns(items, tokenizer, template, decode, on_item=lambda _: advanced())

@@ -4,13 +4,13 @@ one): ``speculators_config`` naming the target as verifier, the mid layer as ``l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from eagleops.pipeline.config import RunConfig
 from eagleops.pipeline.training.artifacts import CaptureLayout
 from eagleops.pipeline.training.modeling.layers import engine_layer_ids
-from eagleops.pipeline.training.modeling.target import verifier_architectures
 
 __all__ = ["speculators_config", "speculators_dir", "speculators_weights"]
 
@@ -24,7 +24,9 @@ def speculators_weights(weights: dict[str, Any]) -> dict[str, Any]:
     return {("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v for k, v in weights.items()}
 
 
-def speculators_config(server: dict[str, Any], capture: CaptureLayout, verifier: Path, draft_tokens: int) -> dict[str, Any]:
+def speculators_config(
+    server: dict[str, Any], capture: CaptureLayout, verifier: Path, architectures: Sequence[str], draft_tokens: int
+) -> dict[str, Any]:
     """vllm-project/speculators' Eagle3 config: what ``vllm serve DRAFTER_DIR`` auto-detects. The
     verifier is named by its own architectures (its config.json's), which vLLM checks the
     target against; the drafter's layer is a Llama layer whatever the target."""
@@ -54,6 +56,6 @@ def speculators_config(server: dict[str, Any], capture: CaptureLayout, verifier:
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": draft_tokens}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(verifier), "architectures": verifier_architectures(verifier)},
+            "verifier": {"name_or_path": str(verifier), "architectures": list(architectures)},
         },
     }

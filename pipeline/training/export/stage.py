@@ -31,6 +31,7 @@ from eagleops.pipeline.training.context import StageContext
 from eagleops.pipeline.training.export.speculators import speculators_config, speculators_dir, speculators_weights
 from eagleops.pipeline.training.modeling.drafter import EXPORTED_PREFIXES
 from eagleops.pipeline.training.modeling.drafter_config import drafter_kind, exported_config, serving_engines, sglang_unservable
+from eagleops.pipeline.training.modeling.profile import target_profile
 from eagleops.pipeline.training.modeling.rope import legacy_engine_warning
 from eagleops.pipeline.training.modeling.target import require_target
 
@@ -91,7 +92,7 @@ def export(config: RunConfig, ctx: StageContext, *, dtype: torch.dtype = torch.b
         _write_dir(
             speculators_dir(config),
             speculators_weights(weights),
-            speculators_config(server, state.capture, target.model, config.eval.draft_tokens),
+            speculators_config(server, state.capture, target.model, target_profile(config).architectures, config.eval.draft_tokens),
         )
         written.append(speculators_dir(config).name + "/")
     size = (out / "model.safetensors").stat().st_size

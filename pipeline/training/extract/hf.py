@@ -26,7 +26,8 @@ from eagleops.pipeline.training.extract.index import ExtractRates, extract_metri
 from eagleops.pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
 from eagleops.pipeline.training.features.shards import shard_bytes_bound, write_feature_shard
 from eagleops.pipeline.training.modeling.layers import engine_layer_ids
-from eagleops.pipeline.training.modeling.target import decoder_stack, load_target, require_target, target_shape
+from eagleops.pipeline.training.modeling.profile import target_profile
+from eagleops.pipeline.training.modeling.target import decoder_stack, load_target, require_target
 
 __all__ = ["extract_hf", "forward_features", "length_batches", "pad_batch"]
 
@@ -115,7 +116,8 @@ def extract_hf(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     prepared, samples = load_prepared(config.prepared_dir)
     out = config.features_dir
     out.mkdir(parents=True, exist_ok=True)
-    index = open_features_index(config, prepared, *target_shape(config))  # before the model loads (minutes, at scale)
+    profile = target_profile(config)
+    index = open_features_index(config, prepared, profile.num_layers, profile.hidden_size)  # before the model loads (minutes, at scale)
     model, device, _ = load_target(target)
     per = config.extract.shard_samples
     rates = ExtractRates(time.monotonic())

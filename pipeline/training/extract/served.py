@@ -31,7 +31,7 @@ from eagleops.pipeline.training.context import StageContext, serving
 from eagleops.pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
 from eagleops.pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
 from eagleops.pipeline.training.features.shards import HEADER_BYTES, shard_bytes_bound, write_feature_shard
-from eagleops.pipeline.training.modeling.target import target_shape
+from eagleops.pipeline.training.modeling.profile import target_profile
 
 __all__ = ["extract_served"]
 
@@ -78,18 +78,7 @@ def _rpc(base_url: str, log_path: Path, method: str, *args: str) -> list[Any]:
         raise vllm_failure(exc, f"collective_rpc {method}", log_path) from None
 
 
-def is_multimodal(model_dir: Path) -> bool:
-    """Whether vLLM serves ``model_dir`` as a multimodal model: its config.json has a vision
-    tower's config, or names a ``...ForConditionalGeneration`` wrapper of a ``text_config``."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():  # not a local checkpoint: nothing to tell by
-        return False
-    raw = json.loads(path.read_text())
-    wrapper = any(str(name).endswith("ForConditionalGeneration") for name in raw.get("architectures") or [])
-    return "vision_config" in raw or (wrapper and "text_config" in raw)
-
-
-def capture_launch(launch: VllmLaunch, ext_dir: Path, longest: int) -> VllmLaunch:
+def capture_launch(launch: VllmLaunch, ext_dir: Path, longest: int, *, multimodal: bool) -> VllmLaunch:
     """``launch`` with our capture extension on its path, eager (hooks need eager modules), no
     prefix cache (a cached prefix would not be computed, so not captured), no chunked prefill
     (each prompt's rows come in one forward, so ``assign_rows`` can tell the prompts apart), and
@@ -102,7 +91,7 @@ def capture_launch(launch: VllmLaunch, ext_dir: Path, longest: int) -> VllmLaunc
         "--worker-extension-cls",
         f"{EXTENSION}.HiddenStateCapture",
         *CAPTURE_FLAGS,
-        *(["--language-model-only"] if is_multimodal(launch.model) else []),
+        *(["--language-model-only"] if multimodal else []),
         "--max-model-len",
         str(longest + 1),
         "--max-num-batched-tokens",
@@ -115,7 +104,8 @@ def capture_launch(launch: VllmLaunch, ext_dir: Path, longest: int) -> VllmLaunc
 def _capture_server(config: RunConfig, ctx: StageContext, longest: int) -> Any:
     if config.serve is None:  # checked when the run file was read
         raise RunError("extract backend vllm needs a [serve] table")
-    launch = capture_launch(launch_for(config), config.output_dir / "servers" / "ext", longest)
+    multimodal = target_profile(config).multimodal
+    launch = capture_launch(launch_for(config), config.output_dir / "servers" / "ext", longest, multimodal=multimodal)
     server = vllm_server(launch, log_path=_log_path(config), log=ctx.log, startup_timeout_s=config.serve.startup_timeout_s, max_restarts=0)
     return launch, server
 
@@ -207,7 +197,8 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     prepared, samples = load_prepared(config.prepared_dir)
     out = config.features_dir
     out.mkdir(parents=True, exist_ok=True)
-    index = open_features_index(config, prepared, *target_shape(config))
+    profile = target_profile(config)
+    index = open_features_index(config, prepared, profile.num_layers, profile.hidden_size)
     per = config.extract.shard_samples
     rates = ExtractRates(time.monotonic())
     stalls = StallWatch(out)

@@ -29,7 +29,7 @@ from eagleops.pipeline.training.artifacts import DRAFT_VOCAB
 from eagleops.pipeline.training.modeling.blocks import DraftCache, RMSNorm, rotate_halves
 from eagleops.pipeline.training.modeling.drafter_config import DrafterChoice, drafter_config_from_target
 from eagleops.pipeline.training.modeling.mla import MLAttention
-from eagleops.pipeline.training.modeling.target import head_and_embeddings, head_rows, load_target_config, require_target
+from eagleops.pipeline.training.modeling.profile import head_and_embeddings, target_config, target_profile
 from eagleops.pipeline.training.modeling.ttt_attention import flex_available, ttt_attention
 
 __all__ = ["EXPORTED_PREFIXES", "DraftCache", "DraftSession", "Eagle3Drafter", "build_drafter", "load_exported"]
@@ -235,19 +235,18 @@ def build_drafter(config: RunConfig, aux_layers: tuple[int, ...], *, seed: int) 
     embeddings."""
     from safetensors.torch import load_file
 
-    target = require_target(config)
-    target_config = load_target_config(target)
+    profile = target_profile(config)
     vocab = load_file(str(config.prepared_dir / DRAFT_VOCAB))
     drafter_config = drafter_config_from_target(
-        target_config,
+        target_config(config),
         draft_vocab_size=len(vocab["d2t"]),
         aux_layers=aux_layers,
-        vocab_size=head_rows(target.model),
+        vocab_size=profile.head_rows,
         choice=DrafterChoice.from_train(config.train),
     )
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(drafter_config)
-    _, embed = head_and_embeddings(target.model)
+    _, embed = head_and_embeddings(profile)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(embed.float())
     drafter.set_vocab(vocab["d2t"], vocab["t2d"])

@@ -21,18 +21,18 @@ from eagleops.pipeline.errors import ConfigError, InputError
 
 __all__ = [
     "decoder_stack",
-    "head_and_embeddings",
-    "head_rows",
+    "is_multimodal",
     "language_model_weights",
     "load_target",
     "load_target_config",
     "load_target_tensors",
     "load_target_tokenizer",
     "pick_device",
+    "raw_config",
     "require_target",
-    "target_shape",
+    "tensor_rows",
     "text_config_of",
-    "verifier_architectures",
+    "weight_map",
 ]
 
 REMOTE_CODE_KEY = "[target] trust_remote_code"
@@ -137,19 +137,22 @@ def text_config_of(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _raw_config(model_dir: Path) -> dict[str, Any]:
+def raw_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
     if not path.exists():
         raise InputError(f"{model_dir}: no config.json")
     return json.loads(path.read_text())
 
 
-def verifier_architectures(model_dir: Path) -> list[str]:
-    """The target's own class names, as its config.json gives them."""
-    return list(_raw_config(model_dir).get("architectures") or [])
+def is_multimodal(raw: dict[str, Any]) -> bool:
+    """Whether vLLM serves the model of config.json ``raw`` as a multimodal model: it has a vision
+    tower's config, or names a ``...ForConditionalGeneration`` wrapper of a ``text_config``."""
+    wrapper = any(str(name).endswith("ForConditionalGeneration") for name in raw.get("architectures") or [])
+    return "vision_config" in raw or (wrapper and "text_config" in raw)
 
 
-def _weight_map(model_dir: Path) -> dict[str, str]:
+def weight_map(model_dir: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file (in ``model_dir``) holding it."""
     from safetensors import safe_open
 
     index_file = model_dir / "model.safetensors.index.json"
@@ -162,33 +165,29 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
         return dict.fromkeys(f.keys(), "model.safetensors")
 
 
-def load_target_tensors(model_dir: Path, names: tuple[str, ...]) -> dict[str, Any]:
-    """Only the named tensors of a (possibly sharded) safetensors checkpoint."""
+def load_target_tensors(model_dir: Path, files: dict[str, str]) -> dict[str, Any]:
+    """Only the named tensors (name -> the file holding it) of a safetensors checkpoint."""
     from safetensors import safe_open
 
-    weight_map = _weight_map(model_dir)
     found: dict[str, Any] = {}
-    for name in names:
-        if name in weight_map:
-            with safe_open(str(model_dir / weight_map[name]), framework="pt") as f:
-                found[name] = f.get_tensor(name)
+    for name, file in files.items():
+        with safe_open(str(model_dir / file), framework="pt") as f:
+            found[name] = f.get_tensor(name)
     return found
 
 
-def language_model_weights(model_dir: Path) -> tuple[str, str]:
-    """(head, embeddings) tensor names of the language model, wherever a wrapper puts it: the
-    embeddings are the ``embed_tokens`` beside the decoder stack the text config describes
-    (``<prefix>layers.<last>.``), the head the ``lm_head`` nearest them; a tied head is the
-    embeddings."""
-    weight_map = _weight_map(model_dir)
-    text = text_config_of(_raw_config(model_dir))
-    last_layer = int(text["num_hidden_layers"]) - 1
-    stacks = [n.removesuffix("embed_tokens.weight") for n in weight_map if n.endswith("embed_tokens.weight")]
-    prefixes = [p for p in stacks if any(n.startswith(f"{p}layers.{last_layer}.") for n in weight_map)]
+def language_model_weights(weights: dict[str, str], num_layers: int, model_dir: Path) -> tuple[str, str]:
+    """(head, embeddings) tensor names of the language model in the weight map ``weights``,
+    wherever a wrapper puts it: the embeddings are the ``embed_tokens`` beside the decoder stack
+    of ``num_layers`` layers (``<prefix>layers.<last>.``), the head the ``lm_head`` nearest them;
+    a tied head is the embeddings."""
+    last_layer = num_layers - 1
+    stacks = [n.removesuffix("embed_tokens.weight") for n in weights if n.endswith("embed_tokens.weight")]
+    prefixes = [p for p in stacks if any(n.startswith(f"{p}layers.{last_layer}.") for n in weights)]
     if not prefixes:
         raise InputError(f"{model_dir}: no embed_tokens weight beside a {last_layer + 1}-layer decoder stack in its safetensors")
     embeddings = prefixes[0] + "embed_tokens.weight"
-    heads = [n for n in weight_map if n.endswith("lm_head.weight")]
+    heads = [n for n in weights if n.endswith("lm_head.weight")]
     if not heads:
         return embeddings, embeddings
 
@@ -198,21 +197,12 @@ def language_model_weights(model_dir: Path) -> tuple[str, str]:
     return max(heads, key=shared_prefix), embeddings
 
 
-def head_and_embeddings(model_dir: Path) -> tuple[Any, Any]:
-    """(lm_head weight, token embedding weight); a tied head is the embedding."""
-    head_name, embed_name = language_model_weights(model_dir)
-    tensors = load_target_tensors(model_dir, (head_name, embed_name))
-    return tensors[head_name], tensors[embed_name]
-
-
-def head_rows(model_dir: Path) -> int:
-    """The target's vocabulary size, in the one sense every stage uses: the output head's rows
-    (a config's ``vocab_size`` pads past the tokenizer's length: Qwen3 151936 against 151,669)."""
+def tensor_rows(file: Path, name: str) -> int:
+    """The first dimension of tensor ``name`` in safetensors ``file``, from its header alone."""
     from safetensors import safe_open
 
-    head_name, _ = language_model_weights(model_dir)
-    with safe_open(str(model_dir / _weight_map(model_dir)[head_name]), framework="pt") as f:
-        return int(f.get_slice(head_name).get_shape()[0])
+    with safe_open(str(file), framework="pt") as f:
+        return int(f.get_slice(name).get_shape()[0])
 
 
 def decoder_stack(model: Any) -> Any:
@@ -225,10 +215,3 @@ def decoder_stack(model: Any) -> Any:
         if hasattr(module, "embed_tokens") and layers is not None and len(layers) == text.num_hidden_layers:
             return module
     raise InputError(f"{type(model).__name__}: no decoder stack of {text.num_hidden_layers} layers with embed_tokens")
-
-
-def target_shape(config: RunConfig) -> tuple[int, int]:
-    """(layers, hidden size) from the target's config.json, without loading the model."""
-    loaded = load_target_config(require_target(config))
-    text = getattr(loaded, "text_config", None) or loaded
-    return int(text.num_hidden_layers), int(text.hidden_size)

@@ -10,7 +10,7 @@ values, so a sample's prompt is the one the server rendered."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from eagleops.pipeline.config import RunConfig
@@ -24,7 +24,6 @@ __all__ = [
     "require_thinking_can_stop",
     "template_kwargs",
     "thinking_off_kwargs",
-    "with_target_thinking_switch",
 ]
 
 
@@ -68,13 +67,12 @@ def thinking_off_kwargs(tokenizer: Any) -> dict[str, Any] | None:
     return switch.kwargs("off") if switch else None
 
 
-def template_kwargs(config: RunConfig, tokenizer: Any, thinking: str) -> dict[str, Any]:
+def template_kwargs(config: RunConfig, switch: ThinkingSwitch | None, thinking: str) -> dict[str, Any]:
     """The ``chat_template_kwargs`` generate sent for a dataset in this thinking mode: the run
-    file's where it names them, else the template's own switch."""
+    file's where it names them, else the template's own ``switch`` (the target profile's)."""
     given = config.sampling.thinking_off_kwargs if thinking == "off" else config.sampling.thinking_on_kwargs
     if given is not None:
         return dict(given)
-    switch = learn_thinking_switch(tokenizer)
     return switch.kwargs(thinking) if switch else {}
 
 
@@ -85,7 +83,7 @@ def require_thinking_can_stop(config: RunConfig, tokenizer: Any) -> None:
     off = [ds.name for ds in config.datasets if config.thinking_for(ds) == "off"]
     if not off:
         return
-    given = template_kwargs(config, tokenizer, "off")
+    given = template_kwargs(config, learn_thinking_switch(tokenizer), "off")
     if not _prompt(tokenizer, **given).rstrip().endswith(THINK_OPEN):
         return
     tried = ", ".join(f"{key}={off_value!r}" for key, off_value, _, _ in CANDIDATE_SWITCHES)
@@ -95,26 +93,3 @@ def require_thinking_can_stop(config: RunConfig, tokenizer: Any) -> None:
         f"generation prompt{f' even with {given}' if given else ''} and reads no switch that stops it (tried {tried}): this target "
         'cannot answer without thinking. Use thinking = "keep" (its thinking trained) or "drop" (kept as context, not trained)'
     )
-
-
-def with_target_thinking_switch(config: RunConfig) -> RunConfig:
-    """The run with ``[sampling] thinking_off_kwargs`` and ``thinking_on_kwargs`` learned from
-    ``[target]``'s template where the run file does not set them. Learned here, where the target
-    is known, and handed to generate as plain data: generate stays free of transformers. A
-    ``thinking = "off"`` the target cannot honour is refused here, before anything is sent."""
-    if config.target is None:
-        return config
-    from eagleops.pipeline.training.modeling.target import load_target_tokenizer
-
-    tokenizer = load_target_tokenizer(config.target)
-    sampling = config.sampling
-    switch = learn_thinking_switch(tokenizer)
-    if switch is not None:
-        sampling = replace(
-            sampling,
-            thinking_off_kwargs=sampling.thinking_off_kwargs if sampling.thinking_off_kwargs is not None else switch.kwargs("off"),
-            thinking_on_kwargs=sampling.thinking_on_kwargs if sampling.thinking_on_kwargs is not None else switch.kwargs("keep"),
-        )
-        config = replace(config, sampling=sampling)
-    require_thinking_can_stop(config, tokenizer)
-    return config

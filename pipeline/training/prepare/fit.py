@@ -10,6 +10,7 @@ from typing import Any
 
 from eagleops.pipeline.config import RunConfig
 from eagleops.pipeline.config.run import THINKING
+from eagleops.pipeline.training.modeling.profile import target_profile
 from eagleops.pipeline.training.modeling.target import require_target
 from eagleops.pipeline.training.modeling.thinking_switch import template_kwargs
 from eagleops.pipeline.training.prepare.chat_template import load_chat_tokenizer, render_ids
@@ -21,7 +22,8 @@ def prompt_counter(config: RunConfig) -> Callable[[tuple[dict[str, Any], ...], t
     """Counts a prompt's tokens, generation prompt included (blocking: the engine calls it from
     generate's worker threads, one at a time)."""
     tokenizer = load_chat_tokenizer(require_target(config))
-    kwargs = {mode: template_kwargs(config, tokenizer, mode) for mode in THINKING}
+    switch = target_profile(config).thinking_switch
+    kwargs = {mode: template_kwargs(config, switch, mode) for mode in THINKING}
     lock = threading.Lock()  # a fast tokenizer's Rust state is not shared between threads
 
     def count(messages: tuple[dict[str, Any], ...], tools: tuple[dict[str, Any], ...] | None, thinking: str) -> int:

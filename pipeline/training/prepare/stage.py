@@ -28,7 +28,8 @@ from eagleops.pipeline.config import RunConfig
 from eagleops.pipeline.config.run import THINKING
 from eagleops.pipeline.training.artifacts import PreparedIndex, PreparedShard
 from eagleops.pipeline.training.context import StageContext
-from eagleops.pipeline.training.modeling.target import head_rows, require_target
+from eagleops.pipeline.training.modeling.profile import target_profile
+from eagleops.pipeline.training.modeling.target import require_target
 from eagleops.pipeline.training.modeling.thinking_switch import template_kwargs
 from eagleops.pipeline.training.modeling.turns import reply_stop_ids
 from eagleops.pipeline.training.prepare.chat_template import PrepareError, load_chat_tokenizer
@@ -51,7 +52,8 @@ DROPPED_AS = {PROMPT_FILLS_MAX_LENGTH: "whose prompt fills max_length", NOTHING_
 def sample_builder(config: RunConfig, tokenizer: Any) -> SampleBuilder:
     """The builder for this run's target: per thinking mode, the template kwargs generate sent
     and the reply format they give."""
-    kwargs = {mode: template_kwargs(config, tokenizer, mode) for mode in THINKING}
+    switch = target_profile(config).thinking_switch
+    kwargs = {mode: template_kwargs(config, switch, mode) for mode in THINKING}
     return SampleBuilder.learn(tokenizer, kwargs, reply_stop_ids(tokenizer, require_target(config).model))
 
 
@@ -204,7 +206,7 @@ def prepare(config: RunConfig, ctx: StageContext) -> PreparedIndex:
         counts.update(t for t, m in zip(ids, mask, strict=True) if m)
     # one vocabulary size everywhere: the target head's rows, which t2d, the drafter and the
     # export all index (a tokenizer can be shorter: Qwen3 151,669 ids, 151936 rows)
-    vocab_size = head_rows(target.model)
+    vocab_size = target_profile(config).head_rows
     if counts and max(counts) >= vocab_size:
         raise PrepareError(
             f"prepare: token id {max(counts)} is past the target head's {vocab_size} rows: {target.tokenizer_path} is not this model's tokenizer"

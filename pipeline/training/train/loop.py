@@ -29,7 +29,8 @@ from eagleops.pipeline.training.features.layout import FeatureSet, feature_set_f
 from eagleops.pipeline.training.features.reader import FeatureShards
 from eagleops.pipeline.training.modeling.drafter import build_drafter
 from eagleops.pipeline.training.modeling.drafter_config import geometry_mismatches
-from eagleops.pipeline.training.modeling.target import head_and_embeddings, pick_device, require_target, target_shape
+from eagleops.pipeline.training.modeling.profile import head_and_embeddings, target_profile
+from eagleops.pipeline.training.modeling.target import pick_device, require_target
 from eagleops.pipeline.training.tracking import Trackers
 from eagleops.pipeline.training.train.checkpoints import checkpoint_to_resume, write_checkpoint
 from eagleops.pipeline.training.train.data import collate, shuffled_order
@@ -41,7 +42,7 @@ __all__ = ["train"]
 
 def _features_to_follow(config: RunConfig) -> FeatureSet:
     """The features this run file's extract writes: a following train takes no other index."""
-    layers, _ = target_shape(config)
+    layers = target_profile(config).num_layers
     return feature_set_for_run(config, PreparedIndex.read(config.prepared_dir).fingerprint, layers)
 
 
@@ -65,7 +66,7 @@ class _Trainer:
         )
         self.capture = self.features.capture  # what extract wrote: the drafter reads these layers
         self.drafter = build_drafter(config, self.capture.aux_layers, seed=self.tc.seed).to(device)
-        head, _ = head_and_embeddings(target.model)
+        head, _ = head_and_embeddings(target_profile(config))
         objective = Eagle3Objective(
             self.drafter,
             head.float().to(device),
