@@ -14,7 +14,6 @@ from eagleops.pipeline.servers.vllm import PYTHON_ENV, read_metrics
 
 PYTHON = os.environ.get(PYTHON_ENV, "")
 VLLM_MARKS = [
-    pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.skipif(
         not PYTHON or not Path(PYTHON).exists(),

@@ -1,13 +1,14 @@
 """When a dataset stops: its token budget (one value, owned here), its sample cap, and the room
-left for more requests while some are in flight."""
+left for more requests while some are in flight. ``Admission`` is the whole decision, a pure
+object: what the dataset has accepted goes in, "may one more go out?" comes back."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eagleops.pipeline.protocol.events import StopReason
 
-__all__ = ["Budget", "Conversation", "InFlight", "Limits", "MIN_SAMPLES_FOR_MEAN"]
+__all__ = ["MIN_SAMPLES_FOR_MEAN", "Admission", "Budget", "Conversation", "InFlight", "Limits"]
 
 MIN_SAMPLES_FOR_MEAN = 8  # replies before their mean length predicts a request in flight
 
@@ -84,3 +85,46 @@ class InFlight:
         """Recorded, failed or cancelled: it holds nothing any more."""
         self.replies_left -= conversation.replies - conversation.replied
         self.unrecorded -= conversation.tokens
+
+
+@dataclass
+class Admission:
+    """Whether a dataset may send one more request: its limits, the requests it has in flight
+    and what their replies are expected to add (a reservation per reply still to come: the mean
+    reply so far, or ``max_tokens`` before that means anything). No clock, no I/O: the runner
+    tells it what was accepted, and each request's begin, replies and end."""
+
+    limits: Limits
+    regenerate_all: bool  # a request is a conversation of several replies
+    flight: InFlight = field(default_factory=InFlight)
+    in_flight: int = 0  # requests
+
+    @property
+    def budget(self) -> int:
+        return self.limits.budget.tokens
+
+    def room(self, tokens: int, samples: int) -> bool:
+        """One more request fits beside ``tokens`` and ``samples`` accepted and what is in flight."""
+        flight = self.flight
+        if self.regenerate_all:  # a record's mean is a conversation's: estimate per reply
+            reserved = flight.replies_left * self.limits.expected_reply(flight.reply_tokens, flight.replies)
+        else:
+            reserved = self.in_flight * self.limits.expected_reply(tokens, samples)
+        return self.limits.room(tokens + flight.unrecorded, samples, self.in_flight, reserved)
+
+    def may_go_on(self, tokens: int) -> bool:
+        """A conversation in flight asks for its next reply only while the budget has room."""
+        return tokens + self.flight.unrecorded < self.budget
+
+    def reached(self, tokens: int, samples: int) -> StopReason | None:
+        return self.limits.reached(tokens, samples)
+
+    def begin(self, replies: int) -> Conversation:
+        """A request goes out, asking for ``replies`` replies."""
+        self.in_flight += 1
+        return self.flight.begin(replies)
+
+    def end(self, conversation: Conversation) -> None:
+        """Recorded, failed or cancelled."""
+        self.flight.end(conversation)
+        self.in_flight -= 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from eagleops.pipeline.generate.client import ChatClient, Completion, PermanentF
 from eagleops.pipeline.generate.conversation import regenerate
 from eagleops.pipeline.generate.digest import CURRENT_REQUEST, FailureDigest
 from eagleops.pipeline.generate.fit import PromptFit, Skipped
-from eagleops.pipeline.generate.limits import InFlight, Limits
+from eagleops.pipeline.generate.limits import Admission, Conversation, Limits
 from eagleops.pipeline.generate.records import bad_line_record, failed_request_record, generated_record, skipped_record
 from eagleops.pipeline.generate.store import DatasetStore, SaveRetry, StoreError, WriteFailed
 from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState, StopReason
@@ -56,11 +57,12 @@ class RunnerShared:
 class DatasetRunner:
     def __init__(self, shared: RunnerShared, config: DatasetConfig, store: DatasetStore, *, thinking: str, max_tokens: int):
         self.shared, self.config, self.store = shared, config, store
-        self.limits = Limits(store.budget, config.max_samples, max_tokens)
+        # what may go out: the limits, and the reservations of what is in flight
+        self.admission = Admission(Limits(store.budget, config.max_samples, max_tokens), regenerate_all=config.regenerate == "all")
         self.thinking = thinking
         self.state, self.reason = DatasetState.QUEUED, ""
         self.stopped_by: StopReason | None = None
-        self.paused, self.in_flight = False, 0
+        self.paused = False
         self.meter = RateMeter(clock=shared.clock)
         self.task: asyncio.Task | None = None
         self._requests: set[asyncio.Task] = set()
@@ -71,29 +73,24 @@ class DatasetRunner:
         self.source_meter = RateMeter(clock=shared.clock)  # source bytes finished per second
         self._source_size = 0
         self.fields = field_map(config.format, config.fields, config.id_field)
-        self.flight = InFlight()  # a conversation in flight reserves what its remaining replies may take
         self.latencies: deque[float] = deque(maxlen=2000)  # this session's, for the detail view
         self.endpoint_counts: Counter[str] = Counter()
 
     @property
     def budget(self) -> int:
-        return self.limits.budget.tokens
+        return self.admission.budget
+
+    @property
+    def in_flight(self) -> int:
+        return self.admission.in_flight
 
     def _room(self) -> bool:
-        done, flight = self.store.accepted, self.flight
-        if self.config.regenerate == "all":  # a record's mean is a conversation's: estimate per reply
-            reserved = flight.replies_left * self.limits.expected_reply(flight.reply_tokens, flight.replies)
-        else:
-            reserved = self.in_flight * self.limits.expected_reply(done.tokens, done.samples)
-        return self.limits.room(done.tokens + flight.unrecorded, done.samples, self.in_flight, reserved)
-
-    def _may_go_on(self) -> bool:
-        """A conversation in flight asks for its next reply only while the budget has room."""
-        return self.store.accepted.tokens + self.flight.unrecorded < self.budget
+        done = self.store.accepted
+        return self.admission.room(done.tokens, done.samples)
 
     def limit_reached(self) -> StopReason | None:
         done = self.store.accepted
-        return self.limits.reached(done.tokens, done.samples)
+        return self.admission.reached(done.tokens, done.samples)
 
     def wake(self) -> None:
         self._wake.set()
@@ -170,10 +167,11 @@ class DatasetRunner:
                     if not await self._admit():
                         return
                     self.store.dispatched(item)
-                    self.in_flight += 1
-                    task = group.create_task(self._request(item), name=f"{self.config.name}:{item.prompt_id}")
+                    mine = self.admission.begin(len(reply_points(item.messages)) if self.admission.regenerate_all else 1)
+                    task = group.create_task(self._request(item, mine), name=f"{self.config.name}:{item.prompt_id}")
                     self._requests.add(task)
-                    task.add_done_callback(self._requests.discard)
+                    # a callback, not a finally: it runs for a task cancelled before it started too
+                    task.add_done_callback(functools.partial(self._request_ended, mine=mine))
                 self.store.advanced(item.end, item.line)
 
     async def _admit(self) -> bool:
@@ -201,14 +199,13 @@ class DatasetRunner:
         self.store.add_failure(item, self.shared.redact_data.scrub(bad_line_record(item, self.config.name)))
         self._log("error", item.message)
 
-    async def _request(self, prompt: Prompt) -> None:
+    async def _request(self, prompt: Prompt, mine: Conversation) -> None:
         CURRENT_REQUEST.set((self.config.name, prompt.prompt_id))  # this task's own context: names its retries
-        client = self.shared.chat()
-        mine = self.flight.begin(len(reply_points(prompt.messages)) if self.config.regenerate == "all" else 1)
         try:
+            client = self.shared.chat()
             conversation, completion, written, dropped = await regenerate(
                 client, prompt, self.config, self.thinking, self.shared.fit,
-                may_go_on=self._may_go_on, on_reply=lambda reply: self.flight.replied(mine, reply.completion_tokens),
+                may_go_on=lambda: self.admission.may_go_on(self.store.accepted.tokens), on_reply=lambda reply: self.admission.flight.replied(mine, reply.completion_tokens),
             )  # fmt: skip
             self.store.add_record(prompt, self.shared.redact_data.scrub(self._record(prompt, conversation, completion, written, dropped)))
         except Skipped as exc:  # the first says so in the log; the count is in the progress and the detail
@@ -226,13 +223,16 @@ class DatasetRunner:
             if self.shared.cancel_over_budget and self.store.accepted.tokens >= self.budget:
                 self.cancel_requests()
         finally:
-            self.flight.end(mine)
             self.source_meter.add(prompt.end - prompt.offset)
-            self.in_flight -= 1
-            self.shared.slots.release()
-            self.wake()
-            if self.store.buffered() >= FLUSH_RECORDS:
-                self.shared.request_flush()
+
+    def _request_ended(self, task: asyncio.Task, *, mine: Conversation) -> None:
+        """Whatever became of a request (even cancelled before it ran): its slot and reservations go back."""
+        self._requests.discard(task)
+        self.admission.end(mine)
+        self.shared.slots.release()
+        self.wake()
+        if self.store.buffered() >= FLUSH_RECORDS:
+            self.shared.request_flush()
 
     def _request_failed(self, prompt: Prompt, reason: str, attempts: int | None) -> None:
         reason = self.shared.redact(reason).encode("utf-8", "backslashreplace").decode("utf-8")
@@ -274,8 +274,7 @@ class DatasetRunner:
             self._set(DatasetState.PAUSED)
 
     def resume(self) -> bool:
-        """Issue again; True when the dataset has ended and should be started again (it was
-        killed, or a limit that has since been raised stopped it)."""
+        """Issue again; True when the dataset ended and should start again (killed, or stopped by a limit since raised)."""
         self.paused = False
         self.wake()
         if self.state == DatasetState.PAUSED and self.task is not None and not self.task.done():
@@ -289,7 +288,7 @@ class DatasetRunner:
         """The new budget, made durable at once. Answers what became of it in words, and whether
         the dataset, stopped by its old budget, should be started again."""
         old = self.budget
-        self.limits.budget.live = tokens
+        self.admission.limits.budget.live = tokens
         saved = await self.save(force_manifest=True)
         self.wake()
         note = "" if saved else f" (not saved yet: {self.storage_error})"

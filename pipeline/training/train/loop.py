@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +35,7 @@ from eagleops.pipeline.training.train.checkpoints import checkpoint_to_resume, w
 from eagleops.pipeline.training.train.data import collate, shuffled_order
 from eagleops.pipeline.training.train.distributed import full_state, init_distributed, load_full_state, parallelize
 from eagleops.pipeline.training.train.loss import Eagle3Objective
+from eagleops.pipeline.training.train.plan import TrainPlan
 
 __all__ = ["train"]
 
@@ -79,17 +79,15 @@ class _Trainer:
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.tc.lr, weight_decay=self.tc.weight_decay)
         self.n = len(self.features)
-        self.per_rank = self.n // self.world
-        self.global_batch = self.tc.batch_size * self.world
-        # following extract, a step's batch is the next global batch in shard order, dealt out by rank
-        self.steps_per_epoch = max(1, (self.n // self.global_batch) if self.follow else (self.per_rank // self.tc.batch_size))
-        self.cache_bound = bool(config.extract.max_cache_gb) and self.follow
+        self.plan = TrainPlan(
+            self.n, self.world, self.tc.batch_size, self.tc.epochs, self.tc.max_steps, self.tc.warmup_ratio, self.tc.checkpoint_every,
+            follow=self.follow, per_shard=self.features.per_shard, cache_bound=bool(config.extract.max_cache_gb) and self.follow,
+        )  # fmt: skip
+        self.global_batch, self.steps_per_epoch, self.total_steps = self.plan.global_batch, self.plan.steps_per_epoch, self.plan.total_steps
+        self.cache_bound = self.plan.cache_bound
         self._order_cache: tuple[int, list[int]] = (-1, [])
         self.released, self.released_logged = 0, -1e9  # trained-on shards deleted, when last said
-        total = self.steps_per_epoch * self.tc.epochs
-        self.total_steps = min(total, self.tc.max_steps) if self.tc.max_steps else total
-        self.warmup = max(1, int(self.tc.warmup_ratio * self.total_steps)) if self.tc.warmup_ratio else 0
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._schedule)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.plan.lr_factor)
         config.train_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_path = config.train_dir / "checkpoint.pt"
         self.step, self.saved_step = 0, 0
@@ -100,13 +98,6 @@ class _Trainer:
             else None
         )
         self._resume()
-
-    def _schedule(self, step: int) -> float:
-        """Linear warm-up, then cosine decay to zero."""
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.total_steps - self.warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     def _resume(self) -> None:
         state = checkpoint_to_resume(self.checkpoint_path, self.device, self.capture, self.config.features_dir)
@@ -147,13 +138,6 @@ class _Trainer:
                 self.ctx.log("info", f"train: {self.released} trained-on shards deleted so far (extract.max_cache_gb)")
                 self.released_logged = time.monotonic()
 
-    def _frees_a_shard(self) -> bool:
-        """Under a cache bound, a step that finishes a shard checkpoints, so the shard can go."""
-        if not self.cache_bound:
-            return False
-        per = self.features.per_shard
-        return (self.step * self.global_batch) // per > (self.saved_step * self.global_batch) // per
-
     def _epoch_order(self, epoch: int) -> list[int]:
         """Every sample's place in ``epoch`` (kept for the epoch: a step reads a batch of it)."""
         if self._order_cache[0] != epoch:
@@ -167,18 +151,13 @@ class _Trainer:
 
     def load_batch(self, at: int) -> dict[str, torch.Tensor]:
         """The batch of step ``at``: a pure function of (seed, epoch, position, rank)."""
-        epoch, in_epoch = divmod(at, self.steps_per_epoch)
+        epoch, in_epoch = self.plan.position(at)
         order = self._epoch_order(epoch)
         if self.follow:
-            start = in_epoch * self.global_batch
             # every rank waits for the whole global batch's shards here, not inside a collective
             # while another rank waits for extract (a long wait there trips the NCCL watchdog)
-            self.features.wait_for(order[min(start + self.global_batch, self.n) - 1])
-            chunk = order[start + self.rank * self.tc.batch_size : start + (self.rank + 1) * self.tc.batch_size]
-        else:
-            chunk = order[self.rank * self.per_rank : (self.rank + 1) * self.per_rank][
-                in_epoch * self.tc.batch_size : (in_epoch + 1) * self.tc.batch_size
-            ]
+            self.features.wait_for(self.plan.last_of_step(order, in_epoch))
+        chunk = self.plan.batch(order, in_epoch, self.rank)
         batch = collate([self.features[i] for i in chunk], torch.device("cpu"), torch.float32)
         return {k: v.pin_memory() for k, v in batch.items()} if self.device.type == "cuda" else batch
 
@@ -219,7 +198,7 @@ class _Trainer:
                 if self.step % self.tc.log_every == 0 or self.step == self.total_steps:
                     self.ctx.metrics(**record)
                 self.ctx.progress(self.step, self.total_steps, "steps", loss=record["loss"], acc0=record["acc"][0])
-                if self.step % self.tc.checkpoint_every == 0 or self._frees_a_shard():
+                if self.plan.checkpoint_due(self.step, self.saved_step):
                     self.save()
         except StageKilled:
             self.save()
