@@ -38,9 +38,9 @@ def _uncached(model, drafter, prompt, aux_layers, k, max_new, stops):
     """The pre-cache eval: every verify step runs the target over the whole sequence, and the
     drafter's step 0 over the whole context."""
     import torch
+    from tests.test_decoding import _uncached_chain  # the chain drafted over the whole context, as eval drafted it then
 
     from eagleops.pipeline.training.modeling.layers import engine_layer_ids
-    from tests.test_decoding import _uncached_chain  # the chain drafted over the whole context, as eval drafted it then
 
     def target_pass(ids):
         out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)

@@ -58,7 +58,7 @@ def start_detached(config: RunConfig, argv: list[str]) -> DetachedEngine:
     return once it answers on its socket. Raises RunError with its log's tail if it ends first."""
     checked_runtime_dir(create=True)  # refused here, at once, rather than by a detached engine nobody could reach
     socket = socket_path_for(config.name, config.output_dir)
-    log = config.output_dir / "engine.log"
+    log = config.layout.engine_log
     if socket.exists() and _answers(socket):
         return DetachedEngine(None, socket, log)
     config.output_dir.mkdir(parents=True, exist_ok=True)

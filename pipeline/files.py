@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 from pathlib import Path
 from typing import IO, Any
 
@@ -26,7 +27,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # a temporary of this writer's own: two processes may write the same file at once (torchrun's
+    # ranks learning the target profile), and the last complete one wins
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(json.dumps(payload, ensure_ascii=False, indent=1, allow_nan=False).encode("utf-8"))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..layout import RunLayout
 from ..placement import is_cpu_list
 from ..stages import STAGE_NAMES
 from .fields import FORMATS, FieldsConfig
@@ -257,20 +258,25 @@ class RunConfig:
         return self.stages or ()
 
     @property
+    def layout(self) -> RunLayout:
+        """Where each file of this run's output is (``pipeline.layout``)."""
+        return RunLayout(self.output_dir)
+
+    @property
     def prepared_dir(self) -> Path:
-        return self.output_dir / "prepared"
+        return self.layout.prepared
 
     @property
     def features_dir(self) -> Path:
-        return self.output_dir / "features"
+        return self.layout.features
 
     @property
     def train_dir(self) -> Path:
-        return self.output_dir / "train"
+        return self.layout.train
 
     @property
     def export_dir(self) -> Path:
-        return self.output_dir / "drafter"
+        return self.layout.export
 
     def thinking_for(self, dataset: DatasetConfig) -> str:
         return dataset.thinking or self.thinking

@@ -202,7 +202,7 @@ class Engine:
     # ---- lifecycle ----------------------------------------------------------------------------
     def _lock_output(self) -> None:
         self.config.output_dir.mkdir(parents=True, exist_ok=True)
-        lock, holder = try_lock(self.config.output_dir / ".lock")
+        lock, holder = try_lock(self.config.layout.lock)
         if lock is None:
             who = f" (pid {holder})" if holder else ""
             raise EngineError(f"{self.config.output_dir}: another eagleops run{who} is using this output directory")

@@ -83,7 +83,7 @@ class GenerateStage:
                 await asyncio.to_thread(getattr, source, "shards")
             except InputError as exc:
                 raise InputError(f"{self.config.source}: datasets[{i}].path: {exc}") from None
-            store = DatasetStore(self.config.output_dir / ds.name, ds.name, source, Budget(ds.token_budget))
+            store = DatasetStore(self.config.layout.dataset(ds.name).dir, ds.name, source, Budget(ds.token_budget))
             await asyncio.to_thread(store.open)
             thinking = self.config.thinking_for(ds)
             self.runners[ds.name] = DatasetRunner(self.shared, ds, store, thinking=thinking, max_tokens=self.config.sampling.max_tokens)
@@ -136,7 +136,7 @@ class GenerateStage:
 
         loop = asyncio.get_running_loop()
         launch = launch_for(self.config)
-        log_path = self.config.output_dir / "servers" / "vllm-generate.log"
+        log_path = self.config.layout.server_log("vllm-generate")
         server = vllm_server(launch, log_path=log_path, log=lambda level, message: loop.call_soon_threadsafe(self.host.log, level, message),
                              startup_timeout_s=serve.startup_timeout_s, max_restarts=serve.max_restarts,
                              on_failed=lambda reason: loop.call_soon_threadsafe(self._served_target_gone, reason))  # fmt: skip

@@ -34,6 +34,7 @@ from typing import Any
 from eagleops.pipeline.errors import RunError
 from eagleops.pipeline.files import write_json_atomic
 from eagleops.pipeline.generate.limits import Budget
+from eagleops.pipeline.layout import DatasetFiles
 from eagleops.pipeline.sources import BadLine, Prompt, Source
 
 __all__ = ["DatasetStore", "SaveRetry", "StoreError", "Totals", "WriteFailed"]
@@ -135,9 +136,8 @@ class DatasetStore:
         self.directory = directory
         self.name = name
         self.source = source if isinstance(source, Source) else Source(source)
-        self.data_path = directory / "data.jsonl"
-        self.failed_path = directory / "failed.jsonl"
-        self.manifest_path = directory / "manifest.json"
+        files = DatasetFiles(directory)
+        self.data_path, self.failed_path, self.manifest_path = files.data, files.failed, files.manifest
         self.durable = Totals()  # what is on disk and in the manifest
         self.accepted = Totals()  # durable + buffered: what the budget is checked against
         self.budget = budget or Budget(run_file=0)  # kept here only to make a live change durable

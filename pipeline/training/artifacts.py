@@ -15,13 +15,15 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from eagleops.pipeline.errors import RunError
 from eagleops.pipeline.files import fsync_dir, write_json_atomic
+from eagleops.pipeline.layout import DRAFT_VOCAB, INDEX
 
 __all__ = [
     "DRAFT_VOCAB",
+    "INDEX",
     "CaptureLayout",
     "CaptureMismatch",
     "Checkpoint",
@@ -29,6 +31,7 @@ __all__ = [
     "ExportResult",
     "FeatureShard",
     "FeaturesIndex",
+    "NewerSchema",
     "PreparedIndex",
     "PreparedShard",
     "TrainResult",
@@ -36,8 +39,10 @@ __all__ = [
     "load_prepared",
 ]
 
-INDEX = "index.json"
-DRAFT_VOCAB = "draft_vocab.safetensors"  # in prepared/: written by prepare, read wherever a drafter is built
+
+class NewerSchema(RunError):
+    """A record written by a newer eagleops than this one: never read as if it were ours, nor
+    overwritten."""
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -47,6 +52,15 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
         raise RunError(f"{path}: missing; run {what} first") from None
     except (OSError, ValueError) as exc:
         raise RunError(f"{path}: unreadable ({exc})") from None
+
+
+def _unversioned(data: dict[str, Any], schema: int, what: str) -> dict[str, Any]:
+    """``data`` without its ``schema`` (a record from before versions is version 1), refused when
+    a newer eagleops wrote it."""
+    found = data.get("schema", 1)
+    if not isinstance(found, int) or found > schema:
+        raise NewerSchema(f"{what}: schema {found!r}, written by a newer eagleops (this one reads up to {schema}); upgrade eagleops")
+    return {k: v for k, v in data.items() if k != "schema"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,8 @@ class PreparedShard:
 @dataclass(frozen=True)
 class PreparedIndex:
     """``prepared/index.json``: tokenized shards, the draft vocabulary's reach, what was dropped."""
+
+    SCHEMA: ClassVar[int] = 1
 
     fingerprint: str
     samples: int
@@ -79,15 +95,16 @@ class PreparedIndex:
     prompt_mismatches: int = 0  # of those, ones the template's rendering of the record does not give
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"schema": self.SCHEMA, **dataclasses.asdict(self)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> PreparedIndex:
+    def from_json(cls, data: dict[str, Any], what: str = "prepared index") -> PreparedIndex:
+        data = _unversioned(data, cls.SCHEMA, what)
         return cls(**{**data, "shards": tuple(PreparedShard(**s) for s in data["shards"])})
 
     @classmethod
     def read(cls, directory: Path) -> PreparedIndex:
-        return cls.from_json(_read_json(directory / INDEX, "prepare"))
+        return cls.from_json(_read_json(directory / INDEX, "prepare"), str(directory / INDEX))
 
     @classmethod
     def read_if_present(cls, directory: Path) -> PreparedIndex | None:
@@ -96,6 +113,8 @@ class PreparedIndex:
             return None
         try:
             return cls.read(directory)
+        except NewerSchema:
+            raise
         except (RunError, TypeError, KeyError):
             return None  # an index of another version: prepare again
 
@@ -162,6 +181,8 @@ class FeatureShard:
 class FeaturesIndex:
     """``features/index.json``, rewritten atomically as each shard lands (so extract resumes)."""
 
+    SCHEMA: ClassVar[int] = 1
+
     prepared: str
     aux_layers: list[int]
     hidden_size: int
@@ -176,15 +197,16 @@ class FeaturesIndex:
     run_token: str = ""  # new each time an extract starts: a train's "finished" names the extract it ended under
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"schema": self.SCHEMA, **dataclasses.asdict(self)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> FeaturesIndex:
+    def from_json(cls, data: dict[str, Any], what: str = "features index") -> FeaturesIndex:
+        data = _unversioned(data, cls.SCHEMA, what)
         return cls(**{**data, "shards": {name: FeatureShard(**s) for name, s in data.get("shards", {}).items()}})
 
     @classmethod
     def read(cls, directory: Path) -> FeaturesIndex:
-        return cls.from_json(_read_json(directory / INDEX, "extract"))
+        return cls.from_json(_read_json(directory / INDEX, "extract"), str(directory / INDEX))
 
     @classmethod
     def read_if_present(cls, directory: Path) -> FeaturesIndex | None:
@@ -192,6 +214,8 @@ class FeaturesIndex:
             return None
         try:
             return cls.read(directory)
+        except NewerSchema:
+            raise
         except (RunError, TypeError, KeyError):
             return None
 
@@ -225,6 +249,8 @@ class Checkpoint:
     """``train/checkpoint.pt``: drafter weights (no embeddings), optimiser, schedule, position, and
     the capture layout of the features it was trained on."""
 
+    SCHEMA: ClassVar[int] = 1
+
     drafter: dict[str, Any]
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
@@ -242,6 +268,7 @@ class Checkpoint:
         # data, so a checkpoint does not depend on where this class lives
         state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         state["capture"] = self.capture.to_json()
+        state["schema"] = self.SCHEMA
         with open(tmp, "wb") as out:
             torch.save(state, out)
             out.flush()
@@ -255,7 +282,7 @@ class Checkpoint:
 
         if not path.exists():
             raise RunError(f"{path}: no checkpoint; run train first")
-        state = torch.load(path, map_location=map_location, weights_only=False)
+        state = _unversioned(torch.load(path, map_location=map_location, weights_only=False), cls.SCHEMA, str(path))
         if "capture" in state:
             state["capture"] = CaptureLayout.from_json(state["capture"])
         else:  # saved before the layout had a type: its layers and the drafter's input width

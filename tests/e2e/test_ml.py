@@ -423,7 +423,7 @@ def test_fsdp_two_processes_match_ddp_and_resume_on_the_same_curve(workdir, tiny
             "--nproc_per_node",
             "2",
             "-m",
-            "pipeline",
+            "eagleops",
             "train",
             str(run),
         ]

@@ -251,3 +251,17 @@ def test_the_stage_list_exists_once():
                 if len(names) >= 3:
                     lists.append(f"{path.relative_to(ROOT)}:{node.lineno}: {sorted(names)}")
     assert lists == []
+
+
+def test_only_the_run_layout_spells_the_output_directorys_file_names():
+    """``pipeline/layout.py`` names every file of a run once; the rest asks it."""
+    names = {"data.jsonl", "failed.jsonl", "manifest.json", "checkpoint.pt", "history.jsonl", "engine.log", ".lock",
+             "target-profile.json", "draft_vocab.safetensors", "eval.json", "eval_benchmarks.json", "index.json"}  # fmt: skip
+    spelled = []
+    for path in _sources():
+        if path == ROOT / "pipeline" / "layout.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                spelled.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert spelled == []

@@ -12,7 +12,7 @@ import pytest
 from eagleops.pipeline.config import TargetConfig
 from eagleops.pipeline.training.modeling import profile as profiles
 from eagleops.pipeline.training.modeling import target as target_files
-from eagleops.pipeline.training.modeling.profile import PROFILE_FILE, learn_profile, target_profile
+from eagleops.pipeline.training.modeling.profile import learn_profile, target_profile
 from tests.conftest import ml_config, run_stage
 
 # the real targets' own facts, from their config.json and chat templates (tests/zoo/*/SOURCE.md)
@@ -51,7 +51,7 @@ def test_the_profile_is_learned_once_and_learned_again_when_the_target_changes(t
     monkeypatch.setattr(profiles, "_learn", lambda *a: learned.append(a) or real_learn(*a))
     first = target_profile(config)
     assert target_profile(config) is first and len(learned) == 1  # this process: no second read
-    assert json.loads((config.output_dir / PROFILE_FILE).read_text())["fingerprint"] == first.fingerprint
+    assert json.loads(config.layout.target_profile.read_text())["fingerprint"] == first.fingerprint
 
     profiles._learned.clear()  # another process (a torchrun rank, a later `eagleops train`): the file
     assert target_profile(config) == first and len(learned) == 1
@@ -76,7 +76,7 @@ def test_a_whole_run_reads_the_targets_config_and_weight_index_once(workdir, tin
     monkeypatch.setattr(target_files, "weight_map", counted("weight index", target_files.weight_map))
     monkeypatch.setattr(target_files, "load_target_config", counted("transformers config", target_files.load_target_config))
     profiles._learned.clear()
-    (workdir / "out" / PROFILE_FILE).unlink(missing_ok=True)  # generate's, from the shared run: learn it here
+    (workdir / "out" / "target-profile.json").unlink(missing_ok=True)  # generate's, from the shared run: learn it here
     config = ml_config(workdir, tiny_model, train={"epochs": 1, "max_steps": 4}, eval={"prompts": 2, "max_new_tokens": 8})
     for stage in ("prepare", "extract", "train", "export", "eval"):
         run_stage(config, stage)

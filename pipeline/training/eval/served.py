@@ -57,7 +57,7 @@ def _decode(config: RunConfig, ctx: StageContext, work: list[Work], spec: dict[s
         raise ValueError("no [serve] table")
     launch = launch_for(config, speculative_config=spec)
     name = "vllm-eval-speculative" if spec else "vllm-eval-plain"
-    log_path = config.output_dir / "servers" / f"{name}.log"
+    log_path = config.layout.server_log(name)
     server = vllm_server(launch, log_path=log_path, log=ctx.log, startup_timeout_s=serve.startup_timeout_s, max_restarts=0)
     with serving(server, ctx):
 
@@ -103,7 +103,7 @@ def _sglang_decode(config: RunConfig, ctx: StageContext, work: list[Work], draft
         cpus=parse_cpu_list(serve.cpus),
     )
     name = "sglang-eval-speculative" if draft else "sglang-eval-plain"
-    server = SupervisedServer(name, launch.argv, log_path=config.output_dir / "servers" / f"{name}.log", log=ctx.log,
+    server = SupervisedServer(name, launch.argv, log_path=config.layout.server_log(name), log=ctx.log,
                               env=launch.env, startup_timeout_s=serve.startup_timeout_s, max_restarts=0, cpus=launch.cpus)  # fmt: skip
     totals = {"generated": 0.0, "verify_steps": 0.0}
     with serving(server, ctx):

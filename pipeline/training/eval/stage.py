@@ -38,7 +38,7 @@ __all__ = ["evaluate"]
 
 
 def _held_out_prompts(config: RunConfig) -> list[dict[str, Any]]:
-    path = config.prepared_dir / "eval.jsonl"
+    path = config.layout.held_out
     prompts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][: config.eval.prompts]
     if not prompts:
         raise InputError(f"{path}: no held-out prompts (prepare.eval_fraction is 0?)")
@@ -58,7 +58,7 @@ def _check_export_against_features(config: RunConfig) -> None:
     """The export's layers must be the features' (when those are still there to ask)."""
     found = features_capture(config.features_dir)
     if found is not None:
-        config_file = config.export_dir / "config.json"
+        config_file = config.layout.exported_config
         exported_capture(config_file).require_match(
             config_file,
             found[0],
@@ -70,7 +70,7 @@ def _check_export_against_features(config: RunConfig) -> None:
 def _report_acceptance(config: RunConfig, results: list[EvalResult]) -> None:
     """Beside the training curves: acceptance at the step the drafter was trained to, the
     held-out prompts' as ``eval/acceptance_length`` and each benchmark's under its name."""
-    history = config.train_dir / "history.jsonl"
+    history = config.layout.history
     step = sum(1 for _ in open(history)) if history.exists() else 0
     trackers = Trackers(config.train_dir, wandb_project=config.train.wandb_project, run_name=config.name)
     scalars = {"eval/acceptance_length": results[0].acceptance_length}
@@ -119,8 +119,8 @@ def _work(config: RunConfig, ctx: StageContext, tokenizer: Any, thinking: str) -
 def _report(config: RunConfig, ctx: StageContext, results: list[EvalResult]) -> None:
     """The table in the log, beside the drafter, in eval.json, the trackers and the console."""
     main = results[0]
-    (config.output_dir / "eval.json").write_text(json.dumps({**main.to_json(), "benchmarks": [r.to_json() for r in results]}, indent=1))
-    write_benchmarks(results, config.export_dir / "eval_benchmarks.json")
+    config.layout.eval_result.write_text(json.dumps({**main.to_json(), "benchmarks": [r.to_json() for r in results]}, indent=1))
+    write_benchmarks(results, config.layout.eval_benchmarks)
     _report_acceptance(config, results)
     for line in benchmark_table(results).splitlines():
         ctx.log("info", f"eval: {line}")

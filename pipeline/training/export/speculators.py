@@ -16,7 +16,7 @@ __all__ = ["speculators_config", "speculators_dir", "speculators_weights"]
 
 
 def speculators_dir(config: RunConfig) -> Path:
-    return config.export_dir.with_name(config.export_dir.name + "-speculators")
+    return config.layout.speculators
 
 
 def speculators_weights(weights: dict[str, Any]) -> dict[str, Any]:

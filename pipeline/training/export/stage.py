@@ -66,7 +66,7 @@ def _write_dir(out: Path, weights: dict[str, torch.Tensor], payload: dict[str, A
 
 def export(config: RunConfig, ctx: StageContext, *, dtype: torch.dtype = torch.bfloat16) -> ExportResult:
     target = require_target(config)
-    checkpoint = config.train_dir / "checkpoint.pt"
+    checkpoint = config.layout.checkpoint
     state = Checkpoint.load(checkpoint)
     _check_against_features(config, checkpoint, state)
     weights = {}

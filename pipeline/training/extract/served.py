@@ -105,13 +105,13 @@ def _capture_server(config: RunConfig, ctx: StageContext, longest: int) -> Any:
     if config.serve is None:  # checked when the run file was read
         raise RunError("extract backend vllm needs a [serve] table")
     multimodal = target_profile(config).multimodal
-    launch = capture_launch(launch_for(config), config.output_dir / "servers" / "ext", longest, multimodal=multimodal)
+    launch = capture_launch(launch_for(config), config.layout.capture_extension, longest, multimodal=multimodal)
     server = vllm_server(launch, log_path=_log_path(config), log=ctx.log, startup_timeout_s=config.serve.startup_timeout_s, max_restarts=0)
     return launch, server
 
 
 def _log_path(config: RunConfig) -> Path:
-    return config.output_dir / "servers" / "vllm-extract.log"
+    return config.layout.server_log("vllm-extract")
 
 
 def assign_rows(tokens: Any, positions: Any, prompts: list[Any]) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from eagleops.pipeline.errors import RunError
-from eagleops.pipeline.training.artifacts import CaptureLayout, FeaturesIndex
+from eagleops.pipeline.training.artifacts import INDEX, CaptureLayout, FeaturesIndex
 from eagleops.pipeline.training.features.cache import ConsumedShards
 from eagleops.pipeline.training.features.layout import FeatureSet
 from eagleops.pipeline.training.features.shards import CODECS, shard_name
@@ -44,7 +44,7 @@ class FeatureShards:
             if index is not None and FeatureSet.of(index) == layout and index.samples is not None:
                 self.waiting_for = None
                 return index
-            self._wait("index.json")
+            self._wait(INDEX)
 
     def _reread(self) -> None:
         index = FeaturesIndex.read_if_present(self.directory)

@@ -25,7 +25,6 @@ from torch import nn
 
 from eagleops.pipeline.config import RunConfig
 from eagleops.pipeline.errors import InputError
-from eagleops.pipeline.training.artifacts import DRAFT_VOCAB
 from eagleops.pipeline.training.modeling.blocks import DraftCache, RMSNorm, rotate_halves
 from eagleops.pipeline.training.modeling.drafter_config import DrafterChoice, drafter_config_from_target
 from eagleops.pipeline.training.modeling.mla import MLAttention
@@ -236,7 +235,7 @@ def build_drafter(config: RunConfig, aux_layers: tuple[int, ...], *, seed: int) 
     from safetensors.torch import load_file
 
     profile = target_profile(config)
-    vocab = load_file(str(config.prepared_dir / DRAFT_VOCAB))
+    vocab = load_file(str(config.layout.draft_vocab))
     drafter_config = drafter_config_from_target(
         target_config(config),
         draft_vocab_size=len(vocab["d2t"]),

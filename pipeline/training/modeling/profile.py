@@ -29,7 +29,6 @@ from eagleops.pipeline.training.modeling.thinking_switch import ThinkingSwitch, 
 
 __all__ = [
     "HeadWeights",
-    "PROFILE_FILE",
     "PROFILE_SCHEMA",
     "TargetProfile",
     "fingerprint_target",
@@ -40,7 +39,6 @@ __all__ = [
     "with_target_thinking_switch",
 ]
 
-PROFILE_FILE = "target-profile.json"
 PROFILE_SCHEMA = 1
 # the files whose content is the target as the stages see it (weights aside: their index, or the
 # one file's size and time, stand for them)
@@ -130,7 +128,7 @@ def target_profile(config: RunConfig) -> TargetProfile:
     with _lock:  # two stages side by side (extract and train) learn it once
         if fingerprint in _learned:
             return _learned[fingerprint][0]
-        path = Path(config.output_dir) / PROFILE_FILE
+        path = config.layout.target_profile
         cached = _read(path, fingerprint)
         if cached is not None:
             _learned[fingerprint] = (cached, None)

@@ -43,7 +43,7 @@ def read_conversations(config: RunConfig, ctx: StageContext) -> tuple[list[dict[
     seen: set[str] = set()
     rows, duplicates = [], 0
     for ds in config.datasets:
-        path = config.output_dir / ds.name / "data.jsonl"
+        path = config.layout.dataset(ds.name).data
         if not path.exists():
             ctx.log("warning", f"prepare: {path} missing (dataset {ds.name} not generated); skipped")
             continue
@@ -120,7 +120,7 @@ def read_extra(path: Path, max_length: int) -> list[Sample]:
 def fingerprint(config: RunConfig) -> str:
     h = hashlib.blake2b(digest_size=12)
     for ds in config.datasets:
-        manifest = config.output_dir / ds.name / "manifest.json"
+        manifest = config.layout.dataset(ds.name).manifest
         h.update(ds.name.encode())
         h.update(manifest.read_bytes() if manifest.exists() else b"-")
     for extra in config.prepare.extra:

@@ -215,7 +215,7 @@ def _tokenizer(config: RunConfig) -> Any:
 def _skipped(config: RunConfig, dataset: str) -> int:
     """Rows generate skipped as too long to train (its manifest's count)."""
     try:
-        return int(json.loads((config.output_dir / dataset / "manifest.json").read_text())["totals"].get("skipped", 0))
+        return int(json.loads(config.layout.dataset(dataset).manifest.read_text())["totals"].get("skipped", 0))
     except (OSError, ValueError, KeyError, TypeError):
         return 0
 
@@ -242,7 +242,7 @@ def inspect_run(config: RunConfig, samples_per_dataset: int = 2, datasets: Colle
     ctx = StageContext("inspect")
     rows, duplicates = read_conversations(config, ctx)
     builder = sample_builder(config, tokenizer)
-    reports = {n: DatasetReport(n, generated=(config.output_dir / n / "data.jsonl").exists(), skipped=_skipped(config, n)) for n in wanted}
+    reports = {n: DatasetReport(n, generated=config.layout.dataset(n).data.exists(), skipped=_skipped(config, n)) for n in wanted}
     refusal = (PrepareError, _template_error())
     max_length = config.prepare.max_length
     for row in rows:

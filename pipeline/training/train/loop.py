@@ -89,7 +89,7 @@ class _Trainer:
         self.released, self.released_logged = 0, -1e9  # trained-on shards deleted, when last said
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.plan.lr_factor)
         config.train_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_path = config.train_dir / "checkpoint.pt"
+        self.checkpoint_path = config.layout.checkpoint
         self.step, self.saved_step = 0, 0
         self.history: list[dict[str, Any]] = []
         self.trackers = (  # rank 0 reports for all
@@ -217,7 +217,7 @@ class _Trainer:
 
     def _summary(self, elapsed: float, first_step: int) -> TrainResult:
         if self.rank == 0:
-            with open(self.config.train_dir / "history.jsonl", "w") as f:
+            with open(self.config.layout.history, "w") as f:
                 for record in self.history:
                     f.write(json.dumps(record) + "\n")
         tail = self.history[-max(1, min(len(self.history), 20)) :]
