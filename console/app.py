@@ -58,7 +58,7 @@ def theme_css(theme: str) -> list[str | PurePath]:
 
 
 def _describe(command: Command) -> str:
-    return f"command {command.kind} {command.dataset or '*'}"
+    return f"command {command.kind} {command.stage or command.dataset or '*'}"
 
 
 class EagleOpsApp(App[int]):
@@ -226,8 +226,7 @@ class EagleOpsApp(App[int]):
 
     # ---- commands ---------------------------------------------------------------------------
     def _selected(self) -> str | None:
-        """The dataset the cursor is on, or while an ML stage shows, that stage (the engine
-        takes a stage's name as a dataset's for pause, resume and kill)."""
+        """The dataset the cursor is on, or while an ML stage shows, that stage."""
         if self.query_one(TrainingView).display and (stage := running_compute_stage(self.state)) is not None:
             return stage
         name = self.query_one(DatasetsTable).selected
@@ -235,6 +234,10 @@ class EagleOpsApp(App[int]):
             self.write_log("no dataset selected", "warning")
             self.bell()
         return name
+
+    def _for(self, command: type[Command], name: str) -> Command:
+        """``command`` addressed to what ``name`` is: a dataset of this run, else a stage."""
+        return command(name) if name in self.state.datasets else command(stage=name)
 
     def dispatch(self, command: Command) -> None:
         """Send from a worker: a stalled engine must not freeze the keys while it is awaited."""
@@ -266,14 +269,14 @@ class EagleOpsApp(App[int]):
 
     def action_pause(self) -> None:
         if (name := self._selected()) is not None:
-            self.dispatch(Pause(name))
+            self.dispatch(self._for(Pause, name))
 
     def action_pause_all(self) -> None:
         self.dispatch(Pause())
 
     def action_resume(self) -> None:
         if (name := self._selected()) is not None:
-            self.dispatch(Resume(name))
+            self.dispatch(self._for(Resume, name))
 
     def action_resume_all(self) -> None:
         self.dispatch(Resume())
@@ -301,7 +304,7 @@ class EagleOpsApp(App[int]):
 
         def confirmed(yes: bool | None) -> None:
             if yes:
-                self.dispatch(Kill(name))
+                self.dispatch(self._for(Kill, name))
 
         self.push_screen(ConfirmScreen(f"Kill {name}? In-flight requests are cancelled; finished work is kept."), confirmed)
 

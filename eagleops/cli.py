@@ -20,6 +20,7 @@ from eagleops.pipeline.errors import EagleOpsError, ExitCode
 from eagleops.pipeline.protocol.control import ControlClient, ControlError, find_sockets, runtime_dir
 from eagleops.pipeline.protocol.events import Command, DatasetProgress, Kill, Pause, Resume, SetBudget
 from eagleops.pipeline.stages import STAGE_NAMES, STAGES, stage
+from eagleops.ranks import run_on_every_rank, under_torchrun
 from eagleops.signals import hung_up
 
 DEMO_DIR = Path("eagleops-demo")
@@ -87,8 +88,9 @@ def _parser() -> argparse.ArgumentParser:
         ("resume", "resume issuing"),
         ("kill", "cancel in-flight requests and stop"),
     ):
-        p = sub.add_parser(name, help=f"{what}; one dataset or all")
-        p.add_argument("dataset", nargs="?")
+        p = sub.add_parser(name, help=f"{what}: the run, one dataset, or one stage (--stage)")
+        p.add_argument("dataset", nargs="?", help="this dataset only")
+        p.add_argument("--stage", choices=STAGE_NAMES, help="this stage only (generate: every dataset)")
         add_socket(p)
     budget = sub.add_parser("budget", help="change a dataset's token budget live (10M, 500k, 12000)")
     budget.add_argument("dataset")
@@ -152,7 +154,9 @@ async def _remote(args: argparse.Namespace) -> int:
                 return _die(str(exc), ExitCode.USAGE)
             command: Command = SetBudget(args.dataset, tokens)
         else:
-            command = {"pause": Pause, "resume": Resume, "kill": Kill}[args.command](args.dataset)
+            if args.dataset is not None and args.stage is not None:
+                return _die(f"{args.command}: a dataset or --stage, not both", ExitCode.USAGE)
+            command = {"pause": Pause, "resume": Resume, "kill": Kill}[args.command](args.dataset, stage=args.stage)
         ack = await client.send(command)
         print(ack.message)
         return 0 if ack.ok else 1
@@ -163,9 +167,7 @@ async def _remote(args: argparse.Namespace) -> int:
 def _run(config, args: argparse.Namespace, stages: tuple[str, ...] | None = None) -> int:
     from eagleops.headless import run_headless
 
-    if stages is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's `-m eagleops train`, kept working
-        from eagleops.ranks import run_on_every_rank
-
+    if stages is not None and under_torchrun():  # torchrun's `-m eagleops train`: this rank's share
         return run_on_every_rank(config, stages[0])
     if not (args.no_tui or args.json):
         if not sys.stdout.isatty():

@@ -92,11 +92,11 @@ class ComputeStages:
             self._running.pop(name, None)
 
     def command(self, command: Command) -> Ack:
-        """Pause or resume a running stage (by its name in ``command.dataset``); a kill is the
-        whole run's, and the engine's to make."""
-        ctx = self._running.get(command.dataset or "")
+        """Pause or resume a running stage (``command.stage``); a kill is the whole run's, and the
+        engine's to make."""
+        ctx = self._running.get(command.stage or "")
         if ctx is None:
-            return Ack(False, f"stage {command.dataset} is not running (running: {', '.join(self._running) or 'none'})")
+            return Ack(False, f"stage {command.stage} is not running (running: {', '.join(self._running) or 'none'})")
         if isinstance(command, Pause):
             ctx.pause()
             self.host.set_stage(ctx.stage, StageStatus.PAUSED, "pauses at its next batch")

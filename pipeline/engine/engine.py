@@ -165,25 +165,37 @@ class Engine:
         return self.generate.endpoint_stats(ended=ended)
 
     async def execute(self, command: Command) -> Ack:
-        """A command for a compute stage (named as the dataset), one dataset, or all of them."""
+        """A command for the run, one stage or one dataset, as it says (``Command.addressed``)."""
         name = command.dataset
-        if name in STAGE_NAMES and name not in self.generate.runners:
-            if isinstance(command, Kill) and name in self.compute.running:
-                self.kill()
-                ack = Ack(True, f"killing {name}: it stops at its next batch, its work so far kept")
-            else:
-                ack = self.compute.command(command)
+        if command.stage is not None:
+            ack = await self._stage_command(command, command.stage)
+        elif name is not None and name not in self.generate.runners and name in STAGE_NAMES:
+            ack = Ack(False, f"no dataset {name}; a stage is addressed as a stage (eagleops {command.kind} --stage {name})")
         elif isinstance(command, Kill) and name is None:
             self.kill()
             ack = Ack(True, "killing the run: in-flight requests cancelled, finished work kept")
         else:
             if name is None and isinstance(command, (Pause, Resume)):
                 for stage in self.compute.running:
-                    self.compute.command(type(command)(stage))
+                    self.compute.command(type(command)(stage=stage))
             ack = await self.generate.execute(command)
         dataset = name if name in self.generate.runners else None
-        self.log("info" if ack.ok else "warning", f"command {command.kind} {name or '*'}: {ack.message}", dataset)
+        self.log("info" if ack.ok else "warning", f"command {command.kind} {command.stage or name or '*'}: {ack.message}", dataset)
         return ack
+
+    async def _stage_command(self, command: Command, stage: str) -> Ack:
+        """Pause or resume a stage (generate's: every dataset), or kill the run from it."""
+        if stage not in STAGE_NAMES:
+            return Ack(False, f"no stage {stage}; the stages are {', '.join(STAGE_NAMES)}")
+        generating = stage == "generate" and self.stage_states["generate"].status in (StageStatus.RUNNING, StageStatus.PAUSED)
+        if isinstance(command, Kill):
+            if not generating and stage not in self.compute.running:
+                return Ack(False, f"stage {stage} is not running")
+            self.kill()
+            return Ack(True, f"killing {stage}: it stops at once (generate) or at its next batch, its work so far kept")
+        if stage == "generate":
+            return await self.generate.execute(type(command)())
+        return self.compute.command(command)
 
     async def detail(self, name: str) -> dict[str, Any]:
         return await self.generate.detail(name)

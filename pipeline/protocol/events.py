@@ -271,11 +271,24 @@ def event_from_json(payload: dict[str, Any]) -> Event:
 
 @dataclass(frozen=True, slots=True)
 class Command:
+    """A command for the whole run, one stage (``stage``) or one dataset (``dataset``): at most
+    one of the two is set, and neither means the run."""
+
     kind: ClassVar[str] = "command"
-    dataset: str | None = None  # None: every dataset
+    dataset: str | None = None
+    stage: str | None = field(default=None, kw_only=True)
+
+    @property
+    def addressed(self) -> str:
+        """What it is for, in words: ``the run``, ``stage train``, ``dataset B1``."""
+        if self.stage is not None:
+            return f"stage {self.stage}"
+        return f"dataset {self.dataset}" if self.dataset is not None else "the run"
 
     def to_json(self) -> dict[str, Any]:
         payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if payload["stage"] is None:  # a dataset's or the run's command reads as it always has
+            del payload["stage"]
         payload["cmd"] = self.kind
         return payload
 
@@ -323,9 +336,12 @@ def command_from_json(payload: dict[str, Any]) -> Command:
     unknown = set(payload) - names
     if unknown:
         raise ValueError(f"{name}: unknown field(s) {', '.join(sorted(unknown))}")
-    dataset = payload.get("dataset")
-    if dataset is not None and not isinstance(dataset, str):
-        raise ValueError(f"{name}: dataset must be a string")
+    dataset, stage = payload.get("dataset"), payload.get("stage")
+    for key, value in (("dataset", dataset), ("stage", stage)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{name}: {key} must be a string")
+    if dataset is not None and stage is not None:
+        raise ValueError(f"{name}: a dataset or a stage, not both")
     if cls is SetBudget:
         tokens = payload.get("tokens")
         if tokens is None:
@@ -334,6 +350,6 @@ def command_from_json(payload: dict[str, Any]) -> Command:
             payload["tokens"] = parse_tokens(tokens)
         except ValueError as exc:
             raise ValueError(f"budget: tokens: {exc}") from None
-        if dataset is None:
-            raise ValueError("budget: a dataset is required")
+        if dataset is None or stage is not None:
+            raise ValueError("budget: a dataset is required (budgets are a dataset's)")
     return cls(**payload)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from eagleops.pipeline.engine.telemetry import StaticGpuReader, server_metrics, telemetry_loop
-from eagleops.pipeline.protocol.events import GpuStats, HostStats
+from eagleops.pipeline.protocol.events import GpuStats, HostStats, Pause
 from eagleops.pipeline.servers.metrics import parse_prometheus
 
 
@@ -351,7 +351,7 @@ async def test_while_train_runs_its_view_takes_the_tables_place_and_p_pauses_it(
         assert app.query_one(TrainingView).display and not app.query_one(DatasetsTable).display
         await pilot.press("p")
         await pilot.pause(0.1)
-        assert link.sent and link.sent[-1].dataset == "train"
+        assert link.sent and link.sent[-1] == Pause(stage="train")  # addressed to the stage, not a dataset of that name
         await pilot.press("b")  # a stage has no budget: said, not a crash
         await pilot.pause(0.1)
         assert app.is_running

@@ -3,6 +3,8 @@ failure policy and one redactor in the host, for generate as for every compute s
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from eagleops.pipeline.engine import Engine
@@ -78,3 +80,37 @@ async def test_generate_fails_as_every_stage_fails_instead_of_escaping_the_engin
     failed = [e for e in seen if isinstance(e, StageState) and e.status == StageStatus.FAILED]
     assert failed and failed[-1].detail == "a bug, holding ***"
     assert any(isinstance(e, LogEvent) and e.message == "generate: ValueError: a bug, holding ***" for e in seen)
+
+
+def test_a_command_says_whether_it_is_for_the_run_a_stage_or_a_dataset():
+    from eagleops.pipeline.protocol.events import Kill, Pause, SetBudget, command_from_json
+
+    assert Pause().addressed == "the run" and Pause("B1").addressed == "dataset B1" and Pause(stage="train").addressed == "stage train"
+    assert command_from_json(Pause(stage="train").to_json()) == Pause(stage="train")
+    assert "stage" not in Pause("B1").to_json()  # a dataset's command reads as it always has
+    assert SetBudget("B1", 5000).tokens == 5000
+    with pytest.raises(ValueError, match="a dataset or a stage, not both"):
+        command_from_json({"cmd": "kill", "dataset": "B1", "stage": "train"})
+    with pytest.raises(ValueError, match="budgets are a dataset's"):
+        command_from_json({"cmd": "budget", "stage": "train", "tokens": "5M"})
+    assert command_from_json({"cmd": "kill"}) == Kill()
+
+
+async def test_the_engine_routes_a_command_to_what_it_names(tmp_path, fault_server):
+    from eagleops.pipeline.protocol.events import DatasetState, Pause, Resume
+    from tests.integration.test_generate import prompts, wait_for
+
+    source = write_jsonl(tmp_path / "a.jsonl", prompts(400, "[[tokens:5]] [[delay:0.05]]"))
+    config = make_config(tmp_path, fault_server.base_url, [{"name": "A", "path": str(source), "token_budget": "1M"}], concurrency=2)
+    engine = Engine(config)
+    run = asyncio.create_task(engine.run())
+    await wait_for(lambda: "A" in engine.generate.runners and engine.generate.runners["A"].store.accepted.samples >= 2)
+    ack = await engine.execute(Pause("prepare"))  # a stage's name where a dataset's goes: not guessed
+    assert not ack.ok and "eagleops pause --stage prepare" in ack.message
+    assert not (await engine.execute(Pause(stage="distill"))).ok
+    assert "not running" in (await engine.execute(Pause(stage="train"))).message
+    assert (await engine.execute(Pause(stage="generate"))).ok  # generate's: every dataset
+    await wait_for(lambda: engine.generate.runners["A"].state == DatasetState.PAUSED)
+    assert (await engine.execute(Resume(stage="generate"))).ok
+    engine.kill()
+    assert (await run).killed
