@@ -223,11 +223,11 @@ def train_ours(work: Path, args: argparse.Namespace) -> None:
 
     started, cpu = time.monotonic(), os.times()
     trainer = Snapshots(config, StageContext("train"))
-    trainer.keep = set(_curve_steps(trainer.total_steps, config.train.checkpoint_every))
+    trainer.keep = set(_curve_steps(trainer.plan.total_steps, config.train.checkpoint_every))
     first = trainer.step
     result = trainer.run()
     used = os.times()
-    record(work, phase="train", trainer="ours", steps=result.steps, from_step=first, total_steps=trainer.total_steps,
+    record(work, phase="train", trainer="ours", steps=result.steps, from_step=first, total_steps=trainer.plan.total_steps,
            wall_s=round(time.monotonic() - started, 1), cpu_s=round(used.user + used.system - cpu.user - cpu.system, 1),
            steps_per_s=result.steps_per_s, final_loss=result.final_loss, acc=result.acc)  # fmt: skip
 

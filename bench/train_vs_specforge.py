@@ -383,7 +383,7 @@ class OursSide(Side):
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
         trainer = types.SimpleNamespace(
-            device=device, step=0, steps_per_epoch=10**9, model=self.objective, optimizer=optimizer, params=params,
+            device=device, step=0, plan=types.SimpleNamespace(position=lambda step: (0, step)), model=self.objective, optimizer=optimizer, params=params,
             tc=types.SimpleNamespace(max_grad_norm=0.5), scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
         )  # fmt: skip
         self.train_step = types.MethodType(_Trainer.train_step, trainer)  # the loop's own step

@@ -17,7 +17,9 @@ def main() -> int:
 
 
 def _leave(code: int) -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    from eagleops.ranks import under_torchrun
+
+    if under_torchrun():
         # a rank leaves without finalizing the interpreter: gloo's worker threads can still be
         # dropping the last collective's tensors, and one that takes the GIL of a finalizing
         # interpreter aborts the rank ("terminate called without an active exception", SIGABRT,

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import aiohttp
 
@@ -48,6 +48,7 @@ from eagleops.pipeline.stages import STAGE_NAMES
 __all__ = ["Engine", "EngineError", "RunSummary"]
 
 SNAPSHOT_LOG_LINES = 50
+AnyEvent = TypeVar("AnyEvent", bound=Event)
 
 
 class EngineError(RunError):
@@ -127,19 +128,22 @@ class Engine:
     # ---- StageHost: how stages are heard --------------------------------------------------------
     def publish(self, event: Event) -> None:
         """Every event leaves through here, so every stage's words pass the one redactor: a log
-        line or a stage's detail naming a secret says ``[redacted]`` instead, whoever wrote it."""
+        line or a stage's detail naming a secret says ``***`` instead, whoever wrote it."""
+        self.bus.publish(self._scrubbed(event))
+
+    def _scrubbed(self, event: AnyEvent) -> AnyEvent:
         if isinstance(event, LogEvent):
-            event = dataclasses.replace(event, message=self.redact(event.message))
-        elif isinstance(event, StageState) and event.detail:
-            event = dataclasses.replace(event, detail=self.redact(event.detail))
-        self.bus.publish(event)
+            return dataclasses.replace(event, message=self.redact(event.message))
+        if isinstance(event, StageState) and event.detail:
+            return dataclasses.replace(event, detail=self.redact(event.detail))
+        return event
 
     def log(self, level: str, message: str, dataset: str | None = None) -> None:
         self.publish(LogEvent(level, message, dataset))
 
     def set_stage(self, name: str, status: StageStatus, detail: str = "") -> None:
-        self.stage_states[name] = StageState(name, status, self.redact(detail))
-        self.publish(self.stage_states[name])
+        state = self.stage_states[name] = self._scrubbed(StageState(name, status, detail))  # the snapshot's copy too
+        self.bus.publish(state)
 
     def fail_stage(self, name: str, exc: BaseException) -> None:
         """The one failure policy, for every stage: the error logged and the stage FAILED with it

@@ -102,16 +102,9 @@ def _loaded_after_import(modules: list[str], probes: tuple[str, ...]) -> list[st
 
 
 def _modules(part: str) -> list[str]:
-    """The importable modules (``__main__`` aside) of ``part``: ``pipeline``, ``console`` or ``eagleops`` (the front door)."""
-    own = "eagleops" if part == "eagleops" else f"eagleops.{part}"
-    return [
-        name
-        for name in _module_files()
-        if name.rsplit(".", 1)[-1] != "__main__"
-        and (name == own or name.startswith(own + "."))
-        and (part != "eagleops" or name.count(".") <= 1)
-        and not (part == "eagleops" and name.split(".")[1:2] in (["pipeline"], ["console"]))
-    ]
+    """The importable modules (``__main__`` aside) of ``pipeline`` or ``console``, by installed name."""
+    own = f"eagleops.{part}"
+    return [name for name in _module_files() if (name == own or name.startswith(own + ".")) and not name.endswith(".__main__")]
 
 
 def test_the_engine_never_loads_the_ui():

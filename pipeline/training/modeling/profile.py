@@ -43,7 +43,8 @@ PROFILE_SCHEMA = 1
 # the files whose content is the target as the stages see it (weights aside: their index, or the
 # one file's size and time, stand for them)
 _DESCRIBING = ("config.json", "model.safetensors.index.json", "generation_config.json")
-_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "chat_template.jinja", "chat_template.json", "special_tokens_map.json")
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "tiktoken.model", "chat_template.jinja",
+                    "chat_template.json", "special_tokens_map.json")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,13 @@ class TargetProfile:
 
 
 def fingerprint_target(target: TargetConfig) -> str:
-    """A digest of the files the profile is learned from: their content (small JSON and the
-    tokenizer), and for a single-file checkpoint its size and time."""
+    """A digest of the files the profile is learned from: their content (small JSON, the
+    tokenizer, the model's own code), and for a single-file checkpoint its size and time."""
     digest = hashlib.sha256()
     folders = [(Path(target.model), _DESCRIBING), (Path(target.tokenizer_path), _TOKENIZER_FILES)]
     for folder, names in folders:
-        for name in names:
+        own_code = sorted(p.name for p in folder.glob("*.py"))  # a remote-code config or tokenizer (Kimi's)
+        for name in (*names, *own_code):
             path = folder / name
             if path.is_file():
                 digest.update(f"{path}\0".encode())

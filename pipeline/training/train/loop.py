@@ -83,8 +83,6 @@ class _Trainer:
             self.n, self.world, self.tc.batch_size, self.tc.epochs, self.tc.max_steps, self.tc.warmup_ratio, self.tc.checkpoint_every,
             follow=self.follow, per_shard=self.features.per_shard, cache_bound=bool(config.extract.max_cache_gb) and self.follow,
         )  # fmt: skip
-        self.global_batch, self.steps_per_epoch, self.total_steps = self.plan.global_batch, self.plan.steps_per_epoch, self.plan.total_steps
-        self.cache_bound = self.plan.cache_bound
         self._order_cache: tuple[int, list[int]] = (-1, [])
         self.released, self.released_logged = 0, -1e9  # trained-on shards deleted, when last said
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.plan.lr_factor)
@@ -113,14 +111,14 @@ class _Trainer:
         load_full_state(self.drafter, self.optimizer, state.drafter, state.optimizer, sharded=self.sharded)
         self.scheduler.load_state_dict(state.scheduler)
         self.step, self.history, self.saved_step = state.step, state.history, state.step
-        if self.follow and state.global_batch and state.global_batch != self.global_batch:
+        if self.follow and state.global_batch and state.global_batch != self.plan.global_batch:
             raise ConfigError(
                 f"{self.checkpoint_path}: saved at {state.global_batch} samples a step (batch_size x ranks), now "
-                f"{self.global_batch}: a following train's position in the data would not match; use as many ranks"
+                f"{self.plan.global_batch}: a following train's position in the data would not match; use as many ranks"
             )
-        if self.cache_bound and self.rank == 0:  # shards recorded as trained on but not yet deleted when a kill came
-            release_consumed(self.config.features_dir, self.step * self.global_batch)
-        self.ctx.log("info", f"train: resumed at step {self.step}/{self.total_steps}")
+        if self.plan.cache_bound and self.rank == 0:  # shards recorded as trained on but not yet deleted when a kill came
+            release_consumed(self.config.features_dir, self.plan.consumed(self.step))
+        self.ctx.log("info", f"train: resumed at step {self.step}/{self.plan.total_steps}")
 
     def save(self, *, finished: bool = False) -> None:
         self.saved_step = self.step  # on every rank: all of them decide alike when to save next
@@ -130,10 +128,10 @@ class _Trainer:
             return
         write_checkpoint(self.checkpoint_path, model_state, optimizer_state, self.scheduler.state_dict(), step=self.step,
                          history=self.history, capture=self.capture, drafter_config=self.drafter.config.to_dict(),
-                         global_batch=self.global_batch)  # fmt: skip
+                         global_batch=self.plan.global_batch)  # fmt: skip
         self.ctx.metrics(checkpoint_step=self.step, checkpoint_at=time.time())  # the console's "last checkpoint"
-        if self.cache_bound:  # only once the checkpoint is past them: a resume never needs them again
-            self.released += len(release_consumed(self.config.features_dir, self.step * self.global_batch, finished=finished))
+        if self.plan.cache_bound:  # only once the checkpoint is past them: a resume never needs them again
+            self.released += len(release_consumed(self.config.features_dir, self.plan.consumed(self.step), finished=finished))
             if self.released and (finished or time.monotonic() - self.released_logged > 60):  # a line a minute, not one a shard
                 self.ctx.log("info", f"train: {self.released} trained-on shards deleted so far (extract.max_cache_gb)")
                 self.released_logged = time.monotonic()
@@ -163,7 +161,7 @@ class _Trainer:
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
-        epoch = self.step // self.steps_per_epoch
+        epoch, _ = self.plan.position(self.step)
         with autocast:
             loss, losses, accs = self.model(batch)
         self.optimizer.zero_grad(set_to_none=True)
@@ -180,7 +178,7 @@ class _Trainer:
         # accelerator does not wait on feature reads (shards are only touched from that thread).
         prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
         upcoming: Future[dict[str, torch.Tensor]] | None = (
-            prefetch.submit(self.load_batch, self.step) if self.step < self.total_steps else None
+            prefetch.submit(self.load_batch, self.step) if self.step < self.plan.total_steps else None
         )
         started, first_step = time.monotonic(), self.step
         self.model.train()
@@ -188,16 +186,16 @@ class _Trainer:
             while upcoming is not None:
                 self.ctx.checkpoint()
                 batch = {k: v.to(self.device, non_blocking=True) for k, v in self._next_batch(upcoming).items()}
-                upcoming = prefetch.submit(self.load_batch, self.step + 1) if self.step + 1 < self.total_steps else None
+                upcoming = prefetch.submit(self.load_batch, self.step + 1) if self.step + 1 < self.plan.total_steps else None
                 step_started = time.monotonic()
                 record = self.train_step(batch)
                 record["tokens_per_s"] = round(float(batch["lengths"].sum()) * self.world / max(1e-9, time.monotonic() - step_started), 1)
                 self.history.append(record)
                 if self.trackers is not None:
                     self.trackers.log(self.step, record)
-                if self.step % self.tc.log_every == 0 or self.step == self.total_steps:
+                if self.step % self.tc.log_every == 0 or self.step == self.plan.total_steps:
                     self.ctx.metrics(**record)
-                self.ctx.progress(self.step, self.total_steps, "steps", loss=record["loss"], acc0=record["acc"][0])
+                self.ctx.progress(self.step, self.plan.total_steps, "steps", loss=record["loss"], acc0=record["acc"][0])
                 if self.plan.checkpoint_due(self.step, self.saved_step):
                     self.save()
         except StageKilled:
