@@ -47,8 +47,8 @@ from eagleops.pipeline.demo.demo import TINY_PRETRAIN_STEPS
 from eagleops.pipeline.demo.tinymodel import build_tiny_model, sample_text
 from eagleops.pipeline.engine import Engine
 from eagleops.pipeline.placement import cpu_list, parse_cpu_list
-from eagleops.pipeline.servers.vllm import VllmLaunch, complete_batch, vllm_python, vllm_server
-from eagleops.pipeline.training.extract.served import _rpc, capture_launch, capture_shard
+from eagleops.pipeline.servers.vllm import VllmLaunch, collective_rpc, complete_batch, vllm_python, vllm_server
+from eagleops.pipeline.training.extract.served import capture_launch, capture_shard
 
 WORK = Path(__file__).resolve().parent / "_work" / "served"
 CPU_FLAGS = ("--optimization-level", "0", "--gpu-memory-utilization", "0.3")
@@ -236,7 +236,7 @@ def _capture_times(launch: VllmLaunch, rows: list[list[int]], shard: int, repeat
         for name, server_launch in servers.items():
             with vllm_server(server_launch, log_path=WORK / f"vllm-{name.replace(' ', '-')}.log", log=_log) as server:
                 if name == "capture":
-                    _rpc(server.base_url, "eagleops_capture_start", json.dumps(index.aux_layers))
+                    collective_rpc(server.base_url, "eagleops_capture_start", json.dumps(index.aux_layers))
 
                     def one_round(url: str = server.base_url) -> None:
                         for chunk in chunks:

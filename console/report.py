@@ -220,6 +220,8 @@ def status_line(p: DatasetProgress, width: int = STATUS_WIDTH) -> str:
         extras.append(f"cut {c['truncated']}")
     if p.skipped:
         extras.append(f"skipped {_count(p.skipped)} too long")
+    if p.captured_rows:
+        extras.append(f"captured {format_tokens(p.captured_rows)} rows {format_bytes(p.captured_bytes)}")
     for extra in extras:
         if len(line) + 2 + len(extra) <= width:
             line += "  " + extra

@@ -5,6 +5,7 @@ run asks ``RunLayout`` where it is; no other module spells a file name of the ou
       .lock  engine.log  target-profile.json  eval.json
       servers/<name>.log  servers/ext/           the servers eagleops starts, and the capture hook
       <dataset>/data.jsonl failed.jsonl manifest.json     generate: one folder per dataset
+      <dataset>/captured/capture-<offset>.rank<r>.safetensors   hidden states captured while generating
       prepared/index.json draft_vocab.safetensors eval.jsonl shard-*.safetensors
       features/index.json shard-*.safetensors
       train/checkpoint.pt history.jsonl
@@ -40,6 +41,27 @@ class DatasetFiles:
     @property
     def manifest(self) -> Path:
         return self.dir / "manifest.json"
+
+    @property
+    def captured(self) -> Path:
+        """The hidden states the serving target captured while it generated (``during_generate``)."""
+        return self.dir / "captured"
+
+    def capture_chunk(self, data_offset: int) -> Path:
+        """The stem of the chunk whose records start at ``data_offset`` of data.jsonl: a kill
+        between the chunk and its records leaves a chunk at or past the data's end, which the
+        next open removes (and the same batch, made again, would overwrite)."""
+        return self.captured / f"capture-{data_offset:012d}"
+
+    def capture_chunks(self) -> list[tuple[int, Path]]:
+        """(data offset, file) of every chunk file, in data order."""
+        found = []
+        for path in self.captured.glob("capture-*.safetensors*") if self.captured.is_dir() else ():
+            try:
+                found.append((int(path.name.split(".")[0].removeprefix("capture-")), path))
+            except ValueError:
+                continue
+        return sorted(found)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from eagleops.console.report import format_duration, sparkline
+from eagleops.console.report import format_bytes, format_duration, sparkline
+from eagleops.pipeline.config.tokens import format_tokens
 from eagleops.pipeline.protocol.events import StageStatus
 from eagleops.pipeline.stages import STAGE_NAMES
 
@@ -39,6 +40,9 @@ class StagesPane(TextPane):
             progress = state.stage_progress.get(name)
             if progress is not None and progress.total and status in (StageStatus.RUNNING, StageStatus.PAUSED) and not state.engine_gone:
                 line += f" {100 * progress.done / progress.total:5.1f}% ETA {format_duration(progress.eta_s)}"
+            elif name == "extract" and status == StageStatus.PENDING and (rows := sum(p.captured_rows for p in state.datasets.values())):
+                # the serving target captures as it generates (during_generate): what extract need not do
+                line += f" {format_tokens(rows)} rows {format_bytes(sum(p.captured_bytes for p in state.datasets.values()))}"
             lines.append(line)
         train = state.stage_metrics.get("train", {})
         if "loss" in train:

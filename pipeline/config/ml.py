@@ -52,6 +52,10 @@ class ExtractConfig:
         "feature storage: `bf16`; `int8` (8 largest values per vector kept exact) or `fp8` (e4m3), about half the bytes (see bench/RESULTS.md)",
         check=one_of("bf16", "int8", "fp8"),
     )
+    during_generate: bool = setting(
+        False,
+        "capture the hidden states while the target eagleops serves ([serve]) generates: extract then only captures what came from other endpoints",
+    )
     max_cache_gb: float = setting(
         0.0,
         "with `train.overlap_extract` and one epoch: GB of shards kept on disk; train deletes the shards it has checkpointed past, extract waits for room (0: keep every shard)",

@@ -234,6 +234,16 @@ class RunConfig:
                 "extract",
                 'backend = "vllm" captures through one replica: set serve.data_parallel_size = 1 (tensor/pipeline parallel are fine)',
             )
+        if config.extract.during_generate:
+            if config.serve is None or not config.serve.for_generate:
+                raise table.fail(
+                    "extract",
+                    "during_generate: the target captures as it generates only when eagleops serves it: add [serve] (for_generate = true)",
+                )
+            if config.serve.data_parallel_size > 1:
+                raise table.fail("extract", "during_generate captures through one replica: set serve.data_parallel_size = 1")
+            if config.target is None:
+                raise table.fail("extract", "during_generate needs a [target] table (its layers are captured)")
         if config.extract.max_cache_gb and not (config.train.overlap_extract and config.train.epochs == 1):
             raise table.fail(
                 "extract",

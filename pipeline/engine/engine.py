@@ -22,6 +22,7 @@ from eagleops.pipeline.engine.compute import ComputeStages
 from eagleops.pipeline.engine.telemetry import GpuReader, gpu_reader_from_env, telemetry_loop
 from eagleops.pipeline.errors import EagleOpsError, ExitCode, RunError
 from eagleops.pipeline.files import try_lock
+from eagleops.pipeline.generate.capture import CapturePlan
 from eagleops.pipeline.generate.fit import PromptFit
 from eagleops.pipeline.generate.stage import GenerateStage
 from eagleops.pipeline.generate.store import StoreError
@@ -237,6 +238,8 @@ class Engine:
         self.config = self.generate.config = await asyncio.to_thread(with_target_thinking_switch, self.config)
         if self.config.target is not None:  # nothing is paid for that prepare would not train
             self.generate.shared.fit = await asyncio.to_thread(self._prompt_fit)
+        if self.config.extract.during_generate:
+            self.generate.capture_plan = await asyncio.to_thread(self._capture_plan)
         try:
             await self.generate.open()
         except StoreError as exc:
@@ -244,6 +247,14 @@ class Engine:
         except OSError as exc:
             where = exc.filename or self.config.output_dir
             raise EngineError(f"{where}: cannot open the output ({exc.strerror or exc})") from None
+
+    def _capture_plan(self) -> CapturePlan:
+        """What the serving target captures as it generates: extract's layers, in extract's numbering."""
+        from eagleops.pipeline.training.features.layout import aux_layers_for_run
+        from eagleops.pipeline.training.modeling.profile import target_profile
+
+        profile = target_profile(self.config)
+        return CapturePlan(aux_layers_for_run(self.config, profile.num_layers), multimodal=profile.multimodal)
 
     def _prompt_fit(self) -> PromptFit | None:
         from eagleops.pipeline.training.prepare.fit import prompt_counter

@@ -8,6 +8,7 @@ client go away and stops generating (both SGLang and vLLM abort on disconnect).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import json
 import math
@@ -22,6 +23,7 @@ import aiohttp
 
 from eagleops.pipeline.config import RetryConfig, SamplingConfig
 from eagleops.pipeline.errors import EagleOpsError
+from eagleops.pipeline.generate.capture import CaptureRef, capture_refs, new_mark
 from eagleops.pipeline.generate.endpoints import EndpointPool, EndpointState, RateMeter
 from eagleops.pipeline.generate.replies import MalformedReply, Reply, parse_reply, request_fields
 from eagleops.pipeline.protocol.redact import Redactor
@@ -75,6 +77,14 @@ class Completion:
     prompt_ids: tuple[int, ...] | None = None  # what the server fed the target, where it says
     reply_prompt_ids: tuple[tuple[int, ...] | None, ...] = ()  # each reply's, for a regenerated conversation
     tool_calls: tuple[dict[str, Any], ...] = ()
+    capture_mark: str | None = None  # where the serving target kept its hidden states (during_generate)
+    reply_capture_marks: tuple[str | None, ...] = ()  # each reply's, for a regenerated conversation
+
+    def captured_replies(self) -> list[CaptureRef]:
+        """The replies the serving target captured, each with the sequence it processed."""
+        if self.reply_capture_marks:
+            return capture_refs(self.reply_capture_marks, self.reply_prompt_ids, self.reply_token_ids)
+        return capture_refs((self.capture_mark,), (self.prompt_ids,), (self.token_ids,))
 
 
 def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
@@ -151,6 +161,7 @@ class ChatClient:
         self.on_warning: Callable[[str], None] | None = None  # a server's numbers not trusted
         self._timeout = aiohttp.ClientTimeout(total=retry.timeout_s, sock_connect=min(30.0, retry.timeout_s))
         self.on_retry: Callable[[str, str, float], None] | None = None  # (endpoint, reason, delay), for the log
+        self.capturing: str | None = None  # the label of the endpoint whose requests are captured (during_generate)
 
     def _body(
         self,
@@ -254,6 +265,7 @@ class ChatClient:
             token_ids=reply.token_ids,
             tool_calls=reply.tool_calls,
             prompt_ids=reply.prompt_ids,
+            capture_mark=reply.capture_mark,
         )
 
     def _trusted_count(self, reply: Reply, endpoint: EndpointState) -> int | None:
@@ -280,6 +292,9 @@ class ChatClient:
         headers = {"Content-Type": "application/json"}
         if endpoint.key:
             headers["Authorization"] = f"Bearer {endpoint.key}"
+        mark = new_mark() if endpoint.config.label == self.capturing else None
+        if mark is not None:  # vLLM names the request after it: the capture keeps its rows under it
+            headers["X-Request-Id"] = mark
         sent = time.monotonic()
         response = None
         try:
@@ -312,7 +327,7 @@ class ChatClient:
             raise _Retryable(str(exc)) from None
         endpoint.requests += 1
         endpoint.latencies.append(time.monotonic() - sent)
-        return reply
+        return dataclasses.replace(reply, capture_mark=mark) if mark is not None else reply
 
 
 async def _read_capped(response: aiohttp.ClientResponse, limit: int, *, truncate: bool) -> bytes:

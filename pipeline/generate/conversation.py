@@ -47,6 +47,7 @@ def _combined(completions: list[Completion]) -> Completion:
         cost=sum(costs) if costs else None,
         reply_token_ids=tuple(c.token_ids for c in completions),
         reply_prompt_ids=tuple(c.prompt_ids for c in completions),
+        reply_capture_marks=tuple(c.capture_mark for c in completions),
     )
 
 

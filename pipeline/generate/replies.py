@@ -36,6 +36,7 @@ class Reply:
     cost: float | None
     tool_calls: tuple[dict[str, Any], ...] = ()  # the target's calls of the request's tools, as the server parsed them
     prompt_ids: tuple[int, ...] | None = None  # the ids the server fed the target (vLLM's ``return_token_ids``)
+    capture_mark: str | None = None  # the request's X-Request-Id, where the server captures it (during_generate)
 
 
 def _routed(kind: str, base_url: str) -> bool:

@@ -207,7 +207,8 @@ class DatasetRunner:
                 client, prompt, self.config, self.thinking, self.shared.fit,
                 may_go_on=lambda: self.admission.may_go_on(self.store.accepted.tokens), on_reply=lambda reply: self.admission.flight.replied(mine, reply.completion_tokens),
             )  # fmt: skip
-            self.store.add_record(prompt, self.shared.redact_data.scrub(self._record(prompt, conversation, completion, written, dropped)))
+            record = self.shared.redact_data.scrub(self._record(prompt, conversation, completion, written, dropped))
+            self.store.add_record(prompt, record, tuple(completion.captured_replies()))
         except Skipped as exc:  # the first says so in the log; the count is in the progress and the detail
             self.store.add_failure(prompt, skipped_record(prompt, self.config.name, exc.reason))
             if self.store.accepted.skipped == 1:
@@ -313,6 +314,10 @@ class DatasetRunner:
         except WriteFailed as exc:
             self._storage_failed(self.shared.redact(str(exc)))
             return False
+        finally:
+            if (problem := self.store.capture_problem) is not None:
+                self.store.capture_problem = None
+                self._log("warning", problem)
         if self.storage_error is not None:
             self._storage_recovered()
         return True
@@ -396,4 +401,6 @@ class DatasetRunner:
             reasoning_tokens=totals.reasoning_tokens,
             reason=self.reason,
             stopped_by=self.stopped_by if self.state.terminal else None,
+            captured_rows=self.store.durable.captured_rows,
+            captured_bytes=self.store.captured_bytes,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -19,6 +20,7 @@ import aiohttp
 
 from eagleops.pipeline.config import EndpointConfig, RunConfig, format_tokens
 from eagleops.pipeline.errors import EagleOpsError, InputError
+from eagleops.pipeline.generate.capture import CapturePlan, ServedCapture
 from eagleops.pipeline.generate.client import ChatClient, EndpointPool, TokenCounter
 from eagleops.pipeline.generate.detail import dataset_detail, failure_reasons
 from eagleops.pipeline.generate.digest import FailureDigest, RetryDigest
@@ -58,6 +60,8 @@ class GenerateStage:
         self._changed = asyncio.Event()
         self._killed = False
         self._served: SupervisedServer | None = None  # vLLM serving the target, while it does
+        self.capture_plan: CapturePlan | None = None  # with during_generate: the served target captures
+        self._capturing: str | None = None  # the label of the endpoint that captures
         self._served_failure: str | None = None
 
     def _pool(self, endpoints: tuple[EndpointConfig, ...]) -> EndpointPool:
@@ -132,10 +136,15 @@ class GenerateStage:
         if serve is None or not serve.for_generate:
             yield
             return
-        from eagleops.pipeline.servers.vllm import launch_for, vllm_server
+        from eagleops.pipeline.servers.vllm import launch_for, vllm_server, with_capture_extension
 
         loop = asyncio.get_running_loop()
         launch = launch_for(self.config)
+        plan = self.capture_plan
+        if plan is not None:  # the hidden states of every reply, kept as it is generated
+            launch = with_capture_extension(launch, self.config.layout.capture_extension)
+            if plan.multimodal:  # served whole, vLLM feeds it embeddings, not the ids its rows are given back by
+                launch = dataclasses.replace(launch, extra_args=(*launch.extra_args, "--language-model-only"))
         log_path = self.config.layout.server_log("vllm-generate")
         server = vllm_server(launch, log_path=log_path, log=lambda level, message: loop.call_soon_threadsafe(self.host.log, level, message),
                              startup_timeout_s=serve.startup_timeout_s, max_restarts=serve.max_restarts,
@@ -149,6 +158,13 @@ class GenerateStage:
         try:
             await asyncio.to_thread(server.start)
             endpoint = EndpointConfig(base_url=f"{server.base_url}/v1", model=launch.served_name, kind="vllm")
+            if plan is not None:
+                capture = ServedCapture(server.base_url, log_path, plan.layers)
+                await asyncio.to_thread(capture.start)
+                for runner in self.runners.values():
+                    runner.store.capture = capture
+                self._capturing = endpoint.label
+                self.host.log("info", f"extract during generate: vLLM keeps layers {list(plan.layers)} + final of every reply")
             self.pool = self._pool((*self.config.endpoints, endpoint))
             self.shared.models[endpoint.label] = endpoint.model
             yield
@@ -166,6 +182,7 @@ class GenerateStage:
         client = ChatClient(
             session, self.pool, self.config.sampling, self.config.retry, TokenCounter(self.config.tokenizer), redact=self.shared.redact
         )
+        client.capturing = self._capturing
         client.on_retry = lambda endpoint, reason, delay: digest.note(endpoint, reason)
         client.on_warning = lambda message: self.host.log("warning", message)
         self.pool.on_health = self.host.log

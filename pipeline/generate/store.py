@@ -6,7 +6,9 @@ Layout of ``OUT/<dataset>/``:
 * ``failed.jsonl`` records that failed permanently and unusable source lines, with the reason;
 * ``manifest.json`` written by temp-file + rename after every batch: the byte length of both
   files at that point, running totals, and a *watermark* into the source (the first source
-  row that is not yet durably done) plus the source rows done beyond it.
+  row that is not yet durably done) plus the source rows done beyond it;
+* ``captured/`` with ``[extract] during_generate``: each batch's hidden states, taken from the
+  serving target just before the batch's records are appended (``generate.capture``).
 
 Done-ness is keyed by the row's position in the source (``sources.shards``: a JSONL line's
 byte offset, a Parquet row's shard and index), not by the prompt's id: two rows that share an
@@ -33,6 +35,7 @@ from typing import Any
 
 from eagleops.pipeline.errors import RunError
 from eagleops.pipeline.files import write_json_atomic
+from eagleops.pipeline.generate.capture import CaptureRef, ServedCapture
 from eagleops.pipeline.generate.limits import Budget
 from eagleops.pipeline.layout import DatasetFiles
 from eagleops.pipeline.sources import BadLine, Prompt, Source
@@ -66,9 +69,11 @@ class Totals:
     skipped: int = 0  # rows not sent: too long to train a reply after
     cost: float = 0.0
     reasoning_tokens: int = 0  # of tokens: what the target spent thinking
+    captured_rows: int = 0  # hidden-state rows the serving target captured (during_generate)
 
     def add_record(self, record: dict[str, Any]) -> None:
         self.samples += 1
+        self.captured_rows += int(record.get("captured_rows") or 0)
         self.tokens += int(record.get("completion_tokens") or 0)
         self.reasoning_tokens += int(record.get("reasoning_tokens") or 0)
         self.prompt_tokens += int(record.get("prompt_tokens") or 0)
@@ -114,7 +119,8 @@ class SaveRetry:
 
 @dataclass
 class _Batch:
-    data: list[tuple[int, bytes, dict[str, Any]]] = field(default_factory=list)  # source offset, line, record
+    # source offset, line, record, the replies the serving target captured for it (not yet taken)
+    data: list[tuple[int, bytes, dict[str, Any], tuple[CaptureRef, ...]]] = field(default_factory=list)
     failed: list[tuple[int, bytes, dict[str, Any]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -132,11 +138,16 @@ def _encode(record: dict[str, Any]) -> bytes:
 class DatasetStore:
     """Owned by the event loop; file I/O runs in worker threads, one flush at a time."""
 
-    def __init__(self, directory: Path, name: str, source: Source | Path, budget: Budget | None = None):
+    def __init__(
+        self, directory: Path, name: str, source: Source | Path, budget: Budget | None = None, *, capture: ServedCapture | None = None
+    ):
         self.directory = directory
         self.name = name
         self.source = source if isinstance(source, Source) else Source(source)
-        files = DatasetFiles(directory)
+        self.capture = capture  # the serving target's, with during_generate
+        self.capture_problem: str | None = None  # the last take that failed, for the runner to say
+        self.captured_bytes = 0  # the chunks' size on disk
+        files = self.files = DatasetFiles(directory)
         self.data_path, self.failed_path, self.manifest_path = files.data, files.failed, files.manifest
         self.durable = Totals()  # what is on disk and in the manifest
         self.accepted = Totals()  # durable + buffered: what the budget is checked against
@@ -187,6 +198,7 @@ class DatasetStore:
         data_size = self._recover(self.data_path, int(committed["data"]), is_failure=False)
         failed_size = self._recover(self.failed_path, int(committed["failed"]), is_failure=True)
         self._sizes = (data_size, failed_size)
+        self._remove_orphan_captures(data_size)
         self.accepted = self.durable.copy()
         if self.recovered_records or self.repaired_bytes or manifest.get("version") != MANIFEST_VERSION:
             self._write_manifest(self._manifest())
@@ -227,6 +239,14 @@ class DatasetStore:
                 os.fsync(f.fileno())
         return good
 
+    def _remove_orphan_captures(self, data_size: int) -> None:
+        """Chunks whose records never landed (a kill between the two): at or past data's end."""
+        for offset, path in self.files.capture_chunks():
+            if offset >= data_size or path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)
+            else:
+                self.captured_bytes += path.stat().st_size
+
     # ---- the run's view -------------------------------------------------------------------
     def reader_position(self) -> tuple[int, int]:
         return self._read_pos
@@ -241,10 +261,10 @@ class DatasetStore:
     def dispatched(self, item: Prompt | BadLine) -> None:
         self._pending[item.offset] = item.line - 1
 
-    def add_record(self, prompt: Prompt, record: dict[str, Any]) -> None:
+    def add_record(self, prompt: Prompt, record: dict[str, Any], captures: tuple[CaptureRef, ...] = ()) -> None:
         line = _encode(record)  # first: a record that cannot be encoded is not counted
         self.accepted.add_record(record)
-        self._batch.data.append((prompt.offset, line, record))
+        self._batch.data.append((prompt.offset, line, record, captures if self.capture is not None else ()))
 
     def add_failure(self, item: Prompt | BadLine, record: dict[str, Any]) -> None:
         line = _encode(record)
@@ -289,12 +309,14 @@ class DatasetStore:
             if not batch and not force_manifest and not self._manifest_stale:
                 return
             if batch:
+                if self.capture is not None and any(entry[3] for entry in batch.data):
+                    batch = await asyncio.to_thread(self._take_captures, batch, self.capture)
                 try:
                     self._sizes = await asyncio.to_thread(self._append, batch)
                 except OSError as exc:
                     self._batch = batch.put_back(self._batch)
                     raise WriteFailed(getattr(exc, "path", self.data_path), exc) from None
-                for offset, _, record in batch.data:
+                for offset, _, record, _ in batch.data:
                     self._pending.pop(offset, None)
                     self.done_beyond.add(offset)
                     self.durable.add_record(record)
@@ -309,6 +331,32 @@ class DatasetStore:
                 self._manifest_stale = True  # retried by the next flush, even with no records to add
                 raise WriteFailed(self.manifest_path, exc) from None  # the records are safe: resume reads them back
             self._manifest_stale = False
+
+    def _take_captures(self, batch: _Batch, capture: ServedCapture) -> _Batch:
+        """The batch with its replies' rows taken into the chunk its records start at; each
+        record says how many rows it has there. Taken once: a batch written again (a failed
+        append) keeps its counts and asks for nothing more."""
+        refs = [ref for entry in batch.data for ref in entry[3]]
+        stem = self.files.capture_chunk(self._sizes[0])
+        try:
+            report = capture.take(stem, refs)
+            self.captured_bytes += sum(path.stat().st_size for path in stem.parent.glob(stem.name + ".rank*.safetensors"))
+        except (RunError, OSError) as exc:
+            self.capture_problem = f"{self.name}: hidden states of {len(refs)} replies not captured ({exc}); extract captures them"
+            return _Batch([(offset, line, record, ()) for offset, line, record, _ in batch.data], batch.failed)
+        if report.missing:
+            first = next(iter(report.missing.values()))
+            self.capture_problem = (
+                f"{self.name}: {len(report.missing)} of {len(refs)} replies' hidden states not captured ({first}); extract captures them"
+            )
+        data = []
+        for offset, line, record, captures in batch.data:
+            rows = sum(report.rows.get(ref.mark, 0) for ref in captures)
+            if rows:
+                record = {**record, "captured_rows": rows}
+                line = _encode(record)
+            data.append((offset, line, record, ()))
+        return _Batch(data, batch.failed)
 
     def _append(self, batch: _Batch) -> tuple[int, int]:
         sizes = list(self._sizes)

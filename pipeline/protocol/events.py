@@ -117,6 +117,8 @@ class DatasetProgress(Event):
     reasoning_tokens: int = 0  # of tokens, spent thinking
     reason: str = ""  # why it is in its state, in words ("budget reached, overshoot 12 tokens", a failure)
     stopped_by: StopReason | None = None  # why it stopped, typed: set once it has
+    captured_rows: int = 0  # hidden-state rows the serving target captured as it generated (during_generate)
+    captured_bytes: int = 0  # their chunks on disk
     at: float = field(default_factory=time.time)
 
     @property

@@ -5,8 +5,12 @@ completions say. The server runs from its own Python (a venv with vLLM), never i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
+import shutil
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,12 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from eagleops.pipeline.config import RunConfig
-from eagleops.pipeline.errors import ConfigError
+from eagleops.pipeline.errors import ConfigError, RunError
 from eagleops.pipeline.placement import parse_cpu_list
 from eagleops.pipeline.servers.metrics import parse_prometheus
 from eagleops.pipeline.servers.supervisor import LOOPBACK, Log, SupervisedServer, checked_python
 
-__all__ = ["PYTHON_ENV", "VllmLaunch", "complete_batch", "complete_ids", "launch_for", "read_metrics", "vllm_python", "vllm_server"]
+__all__ = [
+    "PYTHON_ENV", "VllmLaunch", "collective_rpc", "complete_batch", "complete_ids", "launch_for", "read_metrics", "vllm_failure",
+    "vllm_python", "vllm_said", "vllm_server", "with_capture_extension",
+]  # fmt: skip
 
 PYTHON_ENV = "EAGLEOPS_VLLM_PYTHON"  # the python of a venv where vLLM is installed
 
@@ -64,6 +71,21 @@ class VllmLaunch:
         return argv + list(self.extra_args)
 
 
+CAPTURE_EXTENSION = "eagleops_vllm_capture"  # the module vLLM's workers import: vllm_capture.py, copied
+
+
+def with_capture_extension(launch: VllmLaunch, ext_dir: Path) -> VllmLaunch:
+    """``launch`` with our capture extension (``vllm_capture.py``) on its workers' path, the
+    dev-mode ``/collective_rpc`` that drives it, eager mode (hooks need eager modules: a compiled
+    graph or a CUDA graph replays past them) and no prefix cache (a cached prefix is not
+    computed, so not captured). Our flags come last, so they win."""
+    ext_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(__file__).with_name("vllm_capture.py"), ext_dir / f"{CAPTURE_EXTENSION}.py")
+    extra = ("--worker-extension-cls", f"{CAPTURE_EXTENSION}.HiddenStateCapture", "--enforce-eager", "--no-enable-prefix-caching")
+    env = {**launch.env, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(ext_dir)}
+    return dataclasses.replace(launch, extra_args=launch.extra_args + extra, env=env)
+
+
 def vllm_server(
     launch: VllmLaunch,
     *,
@@ -99,6 +121,45 @@ def complete_batch(
             "return_token_ids": True}  # fmt: skip
     choices = sorted(_post(f"{base_url}/v1/completions", body, timeout_s)["choices"], key=lambda c: int(c.get("index", 0)))
     return [list(choice.get("token_ids") or []) for choice in choices]
+
+
+# how vLLM's collective_rpc wraps a worker's exception: "Call to collective_rpc method failed:
+# Worker failed with error '<str(exc)>', please check the stack trace above for the root cause"
+# (multiprocess executor; the in-process one gives the exception's text alone after the colon)
+_RPC_FAILED = "Call to collective_rpc method failed: "
+_WORKER_FAILED = re.compile(r"^Worker failed with error '(?P<said>.*)', please check the stack trace", re.DOTALL)
+
+
+def vllm_said(body: bytes) -> str:
+    """What vLLM's error body (``{"error": {"message": ...}}``) says, a worker's own exception
+    unwrapped from collective_rpc's words."""
+    try:
+        message = str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace").strip()[:2000]
+    message = message.removeprefix(_RPC_FAILED)
+    worker = _WORKER_FAILED.match(message)
+    return f"a worker raised: {worker['said']}" if worker else message
+
+
+def vllm_failure(exc: Exception, what: str, log_path: Path) -> RunError:
+    """A failed request to vLLM as what vLLM said and where its log is, never a bare status."""
+    if isinstance(exc, urllib.error.HTTPError):
+        said = f"HTTP {exc.code}: {vllm_said(exc.read())}"
+    else:
+        said = str(getattr(exc, "reason", None) or exc)
+    return RunError(f"vLLM: {what} failed ({said}); its log: {log_path}")
+
+
+def collective_rpc(base_url: str, log_path: Path, method: str, *args: str) -> list[Any]:
+    """Call ``method`` of every worker (vLLM's dev-mode endpoint); their answers, in rank order."""
+    body = json.dumps({"method": method, "args": list(args)}).encode()
+    request = urllib.request.Request(f"{base_url}/collective_rpc", data=body, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return list(json.loads(response.read())["results"])
+    except (urllib.error.URLError, TimeoutError) as exc:  # an HTTPError is a URLError
+        raise vllm_failure(exc, f"collective_rpc {method}", log_path) from None
 
 
 def read_metrics(base_url: str, model: str | None = None) -> dict[str, float]:

@@ -17,11 +17,26 @@ Many prompts are in flight at once, so a forward's rows are the scheduler's batc
 scheduled tokens, contiguous, in the runner's order, a long prompt's chunks in several forwards.
 The ids and positions let eagleops give each row back to its prompt (``extract.served``) without
 reading the runner's internals, which differ between vLLM's model runners.
+
+During generate (``[extract] during_generate``) the same hooks run on a serving vLLM, and rows
+are kept per request: ``eagleops_capture_requests`` also wraps the model runner's
+``execute_model`` to learn each forward's batch (the scheduler's ``num_scheduled_tokens`` in the
+runner's ``input_batch.req_ids`` order: the order vLLM's runners lay a forward's rows out in),
+so prefill chunks and decode steps alike are given to their request by vLLM's own bookkeeping,
+never guessed from token ids. Only requests whose id carries a capture mark (the client's
+``X-Request-Id``) are kept. ``eagleops_capture_take`` writes the rows of finished requests the
+client names, checked whole (every position from 0, a recomputed one kept once), to one file,
+and forgets them; the rows of a request nobody takes (cancelled, or failed) go a few minutes
+after vLLM says it finished.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +45,9 @@ import torch
 FINAL = "final"
 TOKENS = "input_ids"
 POSITIONS = "positions"
+OFFSETS = "offsets"
+MARK = re.compile(r"eagleops-[0-9a-f]{24}")  # in the id of a request to capture (its X-Request-Id)
+UNTAKEN_S = 300.0  # how long rows of a finished request nobody took are kept
 
 
 class HiddenStateCapture:
@@ -81,7 +99,134 @@ class HiddenStateCapture:
         for hook in hooks:
             hook.remove()
         self._eagleops = ({}, [], [])
+        runner = getattr(self, "model_runner", None)
+        if runner is not None and "execute_model" in vars(runner):  # our wrapper: the class's method again
+            del runner.execute_model
+        self._eagleops_requests = None
         return "stopped"
+
+    def eagleops_capture_requests(self, layers_json: str) -> str:
+        """Capture every marked request's rows, prefill and decode, kept per request."""
+        layers = self.eagleops_capture_start(layers_json)
+        if _tensor_parallel_rank() != 0:
+            return layers
+        captured, hooks, faults = self._eagleops
+        requests = _Requests(captured, faults)
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        execute = type(runner).execute_model.__get__(runner)
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            requests.scheduled(scheduler_output, runner.input_batch)
+            return execute(scheduler_output, *args, **kwargs)
+
+        runner.execute_model = execute_model
+        hooks.append(self.get_model().register_forward_hook(lambda module, args, output: requests.forward_done()))  # type: ignore[attr-defined]
+        self._eagleops_requests = requests
+        return layers
+
+    def eagleops_capture_take(self, path: str, take_json: str) -> str:
+        """Write the rows of the requests named (``{"take": [[mark, rows], ...], "forget": [mark,
+        ...]}``) to ``path`` (``.rank<r>.safetensors``, written whole then renamed into place) and
+        forget them; returns, per mark, the rows' token-id digest or why none were written."""
+        requests = getattr(self, "_eagleops_requests", None)
+        wanted = json.loads(take_json)
+        if requests is None:  # not this rank's (tensor parallel peer), or a restarted server
+            return json.dumps({"capturing": False, "peer": _tensor_parallel_rank() != 0})
+        return json.dumps(requests.take(path, int(getattr(self, "rank", 0)), wanted["take"], wanted.get("forget", [])))
+
+
+class _Requests:
+    """The rows of every marked request, forward by forward: each forward's rows split by the
+    batch the runner was given (its requests in ``input_batch.req_ids`` order, each with its
+    scheduled tokens, padding after)."""
+
+    def __init__(self, captured: dict[str, list[torch.Tensor]], faults: list[str]) -> None:
+        self.captured, self.faults = captured, faults
+        self.batch: tuple[dict[str, int], Any] | None = None  # the forward to come: (scheduled counts, input batch)
+        self.rows: dict[str, list[dict[str, torch.Tensor]]] = {}  # mark -> per forward, its rows
+        self.finished: dict[str, float] = {}  # mark -> when vLLM said the request finished
+        self.marks: dict[str, str | None] = {}  # vLLM's request id -> our mark (None: not ours)
+
+    def _mark(self, request_id: str) -> str | None:
+        if request_id not in self.marks:
+            found = MARK.search(request_id)
+            self.marks[request_id] = found.group(0) if found else None
+        return self.marks[request_id]
+
+    def scheduled(self, scheduler_output: Any, input_batch: Any) -> None:
+        now = time.monotonic()
+        for request_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            mark = self.marks.pop(request_id, None)
+            if mark is not None:
+                self.finished[mark] = now
+        for mark, when in list(self.finished.items()):
+            if now - when > UNTAKEN_S:
+                self.finished.pop(mark)
+                self.rows.pop(mark, None)
+        # the runner lays the forward's rows out after it updates its persistent batch from this
+        # output: the order is read when the forward is done, the counts are this output's
+        counts = getattr(scheduler_output, "num_scheduled_tokens", None)
+        self.batch = (counts, input_batch) if counts else None
+
+    def forward_done(self) -> None:
+        """One forward's rows, given to their requests; the forward's lists emptied."""
+        batch, self.batch = self.batch, None
+        forward = {name: torch.cat(rows) for name, rows in self.captured.items() if rows}
+        for rows in self.captured.values():
+            rows.clear()
+        if batch is None or TOKENS not in forward:  # a dummy forward (warm-up, profiling): no request's
+            return
+        counts, input_batch = batch
+        start = 0
+        for request_id in input_batch.req_ids:
+            n = int(counts.get(request_id, 0))
+            mark = self._mark(request_id)
+            if mark is not None and n:
+                self.rows.setdefault(mark, []).append({name: t[start : start + n] for name, t in forward.items()})
+            start += n
+
+    def take(self, path: str, rank: int, take: list[Any], forget: list[str]) -> dict[str, Any]:
+        from safetensors.torch import save_file
+
+        for mark in forget:
+            self.rows.pop(mark, None)
+            self.finished.pop(mark, None)
+        written: dict[str, str] = {}
+        missing: dict[str, str] = {}
+        parts: list[dict[str, torch.Tensor]] = []
+        for mark, expected in take:
+            pieces = self.rows.pop(mark, None)
+            self.finished.pop(mark, None)
+            if not pieces:
+                missing[mark] = "no rows captured"
+                continue
+            whole = {name: torch.cat([p[name] for p in pieces]) for name in pieces[0]}
+            positions = whole[POSITIONS]
+            if int(expected) <= 0 or positions.numel() == 0:
+                missing[mark] = "no rows wanted"
+                continue
+            # a position computed twice (a preempted request is recomputed): its last computation
+            last = torch.full((int(positions.max()) + 1,), -1, dtype=torch.int64)
+            last.scatter_reduce_(0, positions, torch.arange(positions.numel()), reduce="amax")
+            if last.numel() < int(expected) or bool((last[: int(expected)] < 0).any()):
+                have = int((last[: int(expected)] >= 0).sum())
+                missing[mark] = f"{have} of {int(expected)} rows captured"
+                continue
+            order = last[: int(expected)]
+            part = {name: t[order] for name, t in whole.items() if name != POSITIONS}
+            written[mark] = hashlib.blake2b(part[TOKENS].to(torch.int32).numpy().tobytes(), digest_size=16).hexdigest()
+            parts.append(part)
+        if self.faults:
+            raise RuntimeError(self.faults[0])
+        if parts:
+            lengths = [p[TOKENS].numel() for p in parts]
+            tensors = {name: torch.cat([p[name] for p in parts]).contiguous() for name in parts[0]}
+            tensors[TOKENS] = tensors[TOKENS].to(torch.int32)
+            tensors[OFFSETS] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+            target = f"{path}.rank{rank}.safetensors"
+            save_file(tensors, target + ".tmp")
+            os.replace(target + ".tmp", target)
+        return {"capturing": True, "rank": rank, "written": written, "missing": missing, "kept": len(self.rows)}
 
 
 def _decoder(model: Any) -> Any:

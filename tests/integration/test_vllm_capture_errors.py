@@ -16,8 +16,8 @@ import pytest
 
 from eagleops.pipeline.errors import RunError
 from eagleops.pipeline.servers import vllm_capture
-from eagleops.pipeline.servers.vllm import VllmLaunch, launch_for
-from eagleops.pipeline.training.extract.served import _rpc, capture_launch, vllm_said
+from eagleops.pipeline.servers.vllm import VllmLaunch, collective_rpc, launch_for, vllm_said
+from eagleops.pipeline.training.extract.served import capture_launch
 from eagleops.pipeline.training.modeling.target import is_multimodal, raw_config
 
 from .test_real_targets import _config as zoo_run_config
@@ -85,7 +85,7 @@ def failing_vllm() -> Iterator[str]:
 def test_a_workers_exception_reaches_eagleops_in_its_own_words(failing_vllm, tmp_path):
     log_path = tmp_path / "servers" / "vllm-extract.log"
     with pytest.raises(RunError) as failed:
-        _rpc(failing_vllm, log_path, "eagleops_capture_dump", "x")
+        collective_rpc(failing_vllm, log_path, "eagleops_capture_dump", "x")
     said = str(failed.value)
     assert WORKER_SAID in said and "HTTP 500" in said and "eagleops_capture_dump" in said
     assert str(log_path) in said
@@ -95,7 +95,7 @@ def test_a_workers_exception_reaches_eagleops_in_its_own_words(failing_vllm, tmp
 def test_a_dead_server_names_its_log(tmp_path):
     log_path = tmp_path / "vllm-extract.log"
     with pytest.raises(RunError, match="its log: .*vllm-extract.log"):
-        _rpc("http://127.0.0.1:9", log_path, "eagleops_capture_start", "[1]")
+        collective_rpc("http://127.0.0.1:9", log_path, "eagleops_capture_start", "[1]")
 
 
 # ---- the capture extension inside vLLM's worker, with vLLM's module tree mimicked -----------------

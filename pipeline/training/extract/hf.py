@@ -22,6 +22,7 @@ from typing import Any
 from eagleops.pipeline.config import RunConfig
 from eagleops.pipeline.training.artifacts import FeaturesIndex, load_prepared
 from eagleops.pipeline.training.context import StageContext
+from eagleops.pipeline.training.extract.generated import GeneratedRows, log_generated, shard_from_generate
 from eagleops.pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
 from eagleops.pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
 from eagleops.pipeline.training.features.shards import shard_bytes_bound, write_feature_shard
@@ -118,7 +119,14 @@ def extract_hf(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     out.mkdir(parents=True, exist_ok=True)
     profile = target_profile(config)
     index = open_features_index(config, prepared, profile.num_layers, profile.hidden_size)  # before the model loads (minutes, at scale)
-    model, device, _ = load_target(target)
+    generated = GeneratedRows.find(config, tuple(index.aux_layers))
+    loaded: list[Any] = []  # the target, loaded once a sample needs it: none when generate captured all
+
+    def target_model() -> tuple[Any, Any]:
+        if not loaded:
+            loaded.extend(load_target(target)[:2])
+        return loaded[0], loaded[1]
+
     per = config.extract.shard_samples
     rates = ExtractRates(time.monotonic())
     done_tokens = index.tokens
@@ -135,7 +143,13 @@ def extract_hf(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
             chunk = samples[first : first + per]
             if not room_for_shard(config, index, ctx, stalls, shard_bytes_bound(index, sum(len(ids) for ids, _ in chunk), len(chunk))):
                 break
-            offsets, aux, final = _compute_shard(model, device, chunk, index, config, ctx, (done_tokens, prepared.tokens), rates)
+            progress = (done_tokens, prepared.tokens)
+            offsets, aux, final, free = shard_from_generate(
+                generated, chunk, lambda part, at=progress: _compute_shard(*target_model(), part, index, config, ctx, at, rates)
+            )
+            rates.generated_tokens += free
+            done_tokens += free
+            ctx.progress(done_tokens + rates.fresh_tokens, prepared.tokens, "tokens", from_generate=rates.generated_tokens)
             if pending is not None:
                 pending.result()
                 publish_cache(config, index, ctx)
@@ -145,11 +159,18 @@ def extract_hf(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
             publish_cache(config, index, ctx)
     finally:
         writer.shutdown(wait=True)
-    index.metrics = extract_metrics(index, rates, device)
+    index.metrics = extract_metrics(index, rates, loaded[1] if loaded else _cpu())
     index.complete = len(index.shards) * per >= len(samples)
     index.write(out)
     ctx.metrics(**index.metrics)
     ctx.progress(index.tokens, prepared.tokens, "tokens", force=True)
     bpt, all_layers = index.metrics["bytes_per_token"], index.metrics["all_layers_bytes_per_token"]
     ctx.log("info", f"extract: {index.tokens} tokens in {len(index.shards)} shards, {bpt} B/token (all layers would be {all_layers})")
+    log_generated(ctx, rates, computed_by="the target in transformers")
     return index
+
+
+def _cpu() -> Any:
+    import torch
+
+    return torch.device("cpu")

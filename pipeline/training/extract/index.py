@@ -58,6 +58,7 @@ class ExtractRates:
     started: float
     fresh_tokens: int = 0
     compute_s: float = 0.0
+    generated_tokens: int = 0  # rows that came with generate (during_generate): not computed here
 
 
 def extract_metrics(index: FeaturesIndex, rates: ExtractRates, device: Any) -> dict[str, Any]:
@@ -71,6 +72,8 @@ def extract_metrics(index: FeaturesIndex, rates: ExtractRates, device: Any) -> d
         "forward_tokens_per_s": round(rates.fresh_tokens / rates.compute_s, 1) if rates.compute_s > 0 else None,
         "bytes_per_token": round(index.stored_bytes / tokens, 1) if tokens else None,
         "all_layers_bytes_per_token": (index.num_layers + 1) * index.hidden_size * 2 + 5,
+        "tokens_from_generate": rates.generated_tokens,
+        "tokens_computed": rates.fresh_tokens,
     }
     if device.type == "cuda":
         metrics["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))

@@ -11,10 +11,10 @@ back to its sample.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
-import re
-import shutil
 import time
 import urllib.error
 import urllib.request
@@ -25,9 +25,18 @@ from typing import Any
 from eagleops.pipeline.config import RunConfig
 from eagleops.pipeline.errors import RunError
 from eagleops.pipeline.servers import vllm_capture
-from eagleops.pipeline.servers.vllm import VllmLaunch, complete_batch, launch_for, vllm_server
+from eagleops.pipeline.servers.vllm import (
+    VllmLaunch,
+    collective_rpc,
+    complete_batch,
+    launch_for,
+    vllm_failure,
+    vllm_server,
+    with_capture_extension,
+)  # fmt: skip
 from eagleops.pipeline.training.artifacts import FeaturesIndex, load_prepared
 from eagleops.pipeline.training.context import StageContext, serving
+from eagleops.pipeline.training.extract.generated import GeneratedRows, log_generated, shard_from_generate
 from eagleops.pipeline.training.extract.index import ExtractRates, extract_metrics, open_features_index, shards_to_do
 from eagleops.pipeline.training.features.cache import StallWatch, publish_cache, room_for_shard
 from eagleops.pipeline.training.features.shards import HEADER_BYTES, shard_bytes_bound, write_feature_shard
@@ -35,61 +44,17 @@ from eagleops.pipeline.training.modeling.profile import target_profile
 
 __all__ = ["extract_served"]
 
-EXTENSION = "eagleops_vllm_capture"
 # what capture needs of vLLM's scheduler beyond the extension (see ``capture_launch``)
-CAPTURE_FLAGS = ("--enforce-eager", "--no-enable-prefix-caching", "--no-enable-chunked-prefill")
-
-
-# how vLLM's collective_rpc wraps a worker's exception: "Call to collective_rpc method failed:
-# Worker failed with error '<str(exc)>', please check the stack trace above for the root cause"
-# (multiprocess executor; the in-process one gives the exception's text alone after the colon)
-_RPC_FAILED = "Call to collective_rpc method failed: "
-_WORKER_FAILED = re.compile(r"^Worker failed with error '(?P<said>.*)', please check the stack trace", re.DOTALL)
-
-
-def vllm_said(body: bytes) -> str:
-    """What vLLM's error body (``{"error": {"message": ...}}``) says, a worker's own exception
-    unwrapped from collective_rpc's words."""
-    try:
-        message = str(json.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return body.decode(errors="replace").strip()[:2000]
-    message = message.removeprefix(_RPC_FAILED)
-    worker = _WORKER_FAILED.match(message)
-    return f"a worker raised: {worker['said']}" if worker else message
-
-
-def vllm_failure(exc: Exception, what: str, log_path: Path) -> RunError:
-    """A failed request to vLLM as what vLLM said and where its log is, never a bare status."""
-    if isinstance(exc, urllib.error.HTTPError):
-        said = f"HTTP {exc.code}: {vllm_said(exc.read())}"
-    else:
-        said = str(getattr(exc, "reason", None) or exc)
-    return RunError(f"vLLM: {what} failed ({said}); its log: {log_path}")
-
-
-def _rpc(base_url: str, log_path: Path, method: str, *args: str) -> list[Any]:
-    body = json.dumps({"method": method, "args": list(args)}).encode()
-    request = urllib.request.Request(f"{base_url}/collective_rpc", data=body, headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=600) as response:
-            return list(json.loads(response.read())["results"])
-    except (urllib.error.URLError, TimeoutError) as exc:  # an HTTPError is a URLError
-        raise vllm_failure(exc, f"collective_rpc {method}", log_path) from None
+CAPTURE_FLAGS = ("--no-enable-chunked-prefill",)
 
 
 def capture_launch(launch: VllmLaunch, ext_dir: Path, longest: int, *, multimodal: bool) -> VllmLaunch:
-    """``launch`` with our capture extension on its path, eager (hooks need eager modules), no
-    prefix cache (a cached prefix would not be computed, so not captured), no chunked prefill
+    """``launch`` with our capture extension (``with_capture_extension``), no chunked prefill
     (each prompt's rows come in one forward, so ``assign_rows`` can tell the prompts apart), and
     room for the ``longest`` prompt in one forward. A multimodal model is served as its language
     model only: vLLM otherwise feeds it embeddings with no token ids, and those ids are how the
     captured rows find their prompts. Our flags come last, so they win."""
-    ext_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(vllm_capture.__file__, ext_dir / f"{EXTENSION}.py")
     extra = (
-        "--worker-extension-cls",
-        f"{EXTENSION}.HiddenStateCapture",
         *CAPTURE_FLAGS,
         *(["--language-model-only"] if multimodal else []),
         "--max-model-len",
@@ -97,8 +62,8 @@ def capture_launch(launch: VllmLaunch, ext_dir: Path, longest: int, *, multimoda
         "--max-num-batched-tokens",
         str(max(longest + 1, 8192)),
     )
-    env = {**launch.env, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(ext_dir)}
-    return dataclasses.replace(launch, max_model_len=0, extra_args=launch.extra_args + extra, env=env)
+    capture = with_capture_extension(launch, ext_dir)
+    return dataclasses.replace(capture, max_model_len=0, extra_args=capture.extra_args + extra)
 
 
 def _capture_server(config: RunConfig, ctx: StageContext, longest: int) -> Any:
@@ -164,7 +129,7 @@ def capture_shard(
             done.result()
         except (urllib.error.URLError, TimeoutError) as exc:
             raise vllm_failure(exc, "the shard's completions", log_path) from None
-    _rpc(base_url, log_path, "eagleops_capture_dump", str(dump))
+    collective_rpc(base_url, log_path, "eagleops_capture_dump", str(dump))
     captured = vllm_capture.read_dump(dump)
     missing = [name for name in [*map(str, index.aux_layers), vllm_capture.FINAL, vllm_capture.TOKENS] if name not in captured]
     if missing:
@@ -202,22 +167,37 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     per = config.extract.shard_samples
     rates = ExtractRates(time.monotonic())
     stalls = StallWatch(out)
-    launch, server = _capture_server(config, ctx, max((len(ids) for ids, _ in samples), default=1))
-    with serving(server, ctx):
-        ctx.log("info", f"extract: capturing layers {index.aux_layers} + final through vLLM on {server.base_url}")
-        _rpc(server.base_url, _log_path(config), "eagleops_capture_start", json.dumps(index.aux_layers))
+    generated = GeneratedRows.find(config, tuple(index.aux_layers))
+    longest = max((len(ids) for ids, _ in samples), default=1)
+    with contextlib.ExitStack() as stack:
+        started: list[tuple[VllmLaunch, Any]] = []  # the capture server, once a sample needs it: none when generate captured all
+
+        def capture_server() -> tuple[VllmLaunch, Any]:
+            if not started:
+                launch, server = _capture_server(config, ctx, longest)
+                stack.enter_context(serving(server, ctx))
+                ctx.log("info", f"extract: capturing layers {index.aux_layers} + final through vLLM on {server.base_url}")
+                collective_rpc(server.base_url, _log_path(config), "eagleops_capture_start", json.dumps(index.aux_layers))
+                started.append((launch, server))
+            return started[0]
+
+        def compute(part: list[Any], dump: Path) -> tuple[list[int], Any, Any]:
+            launch, server = capture_server()
+            t0 = time.perf_counter()
+            offsets, aux, final = capture_shard(server.base_url, launch.served_name, part, index, dump, ctx, _log_path(config))
+            rates.compute_s += time.perf_counter() - t0
+            rates.fresh_tokens += offsets[-1]
+            return offsets, aux, final
+
         for first, name in shards_to_do(index, out, len(samples), per):
             ctx.checkpoint()
             chunk = samples[first : first + per]
             if not room_for_shard(config, index, ctx, stalls, _shard_disk_bound(index, chunk)):
                 break
-            t0 = time.perf_counter()
-            capture = out / f"{name}.capture"
-            offsets, aux, final = capture_shard(server.base_url, launch.served_name, chunk, index, capture, ctx, _log_path(config))
-            rates.compute_s += time.perf_counter() - t0
-            rates.fresh_tokens += offsets[-1]
+            offsets, aux, final, free = shard_from_generate(generated, chunk, functools.partial(compute, dump=out / f"{name}.capture"))
+            rates.generated_tokens += free
             write_feature_shard(out, name, chunk, offsets, aux, final, first, index)
-            ctx.progress(index.tokens, prepared.tokens, "tokens")
+            ctx.progress(index.tokens, prepared.tokens, "tokens", from_generate=rates.generated_tokens)
             publish_cache(config, index, ctx)
     index.metrics = extract_metrics(index, rates, torch.device("cpu"))
     index.metrics["backend"] = "vllm"
@@ -226,4 +206,5 @@ def extract_served(config: RunConfig, ctx: StageContext) -> FeaturesIndex:
     ctx.metrics(**index.metrics)
     ctx.progress(index.tokens, prepared.tokens, "tokens", force=True)
     ctx.log("info", f"extract (vllm): {index.tokens} tokens in {len(index.shards)} shards, {index.metrics['bytes_per_token']} B/token")
+    log_generated(ctx, rates, computed_by="vLLM")
     return index
