@@ -72,9 +72,8 @@ def capture_refs(
         for mark, prompt, reply in zip(marks, prompts, replies, strict=True)
         if mark and prompt and reply
     ]
-    return [
-        ref for ref, after in zip(refs, [*refs[1:], None], strict=True) if after is None or after.ids[: ref.rows] != ref.ids[: ref.rows]
-    ]
+    later = [*refs[1:], None]
+    return [ref for ref, after in zip(refs, later, strict=False) if after is None or after.ids[: ref.rows] != ref.ids[: ref.rows]]
 
 
 @dataclass
