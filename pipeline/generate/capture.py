@@ -27,7 +27,9 @@ from typing import Any
 
 from eagleops.pipeline.errors import RunError
 
-__all__ = ["CapturePlan", "CaptureRef", "ServedCapture", "capture_refs", "new_mark", "sequence_digest"]
+__all__ = [
+    "CapturePlan", "CaptureRef", "ServedCapture", "capture_refs", "new_mark", "remove_orphan_chunks", "sequence_digest", "take_batch",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -81,17 +83,29 @@ class TakeReport:
     rows: dict[str, int]  # mark -> rows written
     missing: dict[str, str]  # mark -> why none were written
     restarted: bool = False  # the server had no capture running (restarted): it runs again now
+    bytes: int = 0  # the chunk's size on disk
 
 
 class ServedCapture:
     """The capture running in the vLLM generate serves: started once (and again after the
     server restarts), then a batch's rows taken per save. Blocking: call in a thread."""
 
-    def __init__(self, base_url: str, log_path: Path, layers: Sequence[int], *, rpc: Callable[..., list[Any]] | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        log_path: Path,
+        layers: Sequence[int],
+        *,
+        on_problem: Callable[[str], object] = lambda message: None,
+        rpc: Callable[..., list[Any]] | None = None,
+    ):
         from eagleops.pipeline.servers.vllm import collective_rpc
 
         self.base_url, self.log_path, self.layers = base_url, log_path, tuple(layers)
+        self.on_problem = on_problem  # a batch whose rows were not all captured, in words (called from the saving thread)
         self._rpc = rpc or collective_rpc
+        # extract.max_cache_gb: captures stop there (extract computes the rest); set by the stage
+        self.limit_bytes, self.taken_bytes = 0, 0
 
     def start(self) -> None:
         self._rpc(self.base_url, self.log_path, "eagleops_capture_requests", json.dumps(list(self.layers)))
@@ -101,6 +115,15 @@ class ServedCapture:
         reply whose rows are not the ids it says (a capture that gave rows to the wrong request)
         fails the whole chunk: it is removed, and extract captures those records itself."""
         stem.parent.mkdir(parents=True, exist_ok=True)
+        if self.limit_bytes and self.taken_bytes >= self.limit_bytes:  # full: the workers only forget
+            body = json.dumps({"take": [], "forget": [*forget, *(ref.mark for ref in refs)]})
+            self._rpc(self.base_url, self.log_path, "eagleops_capture_take", str(stem), body)
+            if self.taken_bytes < self.limit_bytes + 1:
+                self.taken_bytes = self.limit_bytes + 1  # said once
+                self.on_problem(
+                    f"captured {self.limit_bytes / 1e9:g} GB while generating (extract.max_cache_gb): extract captures the replies from here on"
+                )
+            return TakeReport({}, {})
         body = json.dumps({"take": [[ref.mark, ref.rows] for ref in refs], "forget": list(forget)})
         reports = [json.loads(r) for r in self._rpc(self.base_url, self.log_path, "eagleops_capture_take", str(stem), body)]
         mine = [r for r in reports if r.get("capturing")]
@@ -115,4 +138,47 @@ class ServedCapture:
             raise RunError(
                 f"vLLM's capture gave {len(wrong)} replies rows of other tokens; chunk {stem.name} removed (a capture bug: please report)"
             )
-        return TakeReport({ref.mark: ref.rows for ref in refs if ref.mark in written}, missing)
+        size = sum(path.stat().st_size for path in stem.parent.glob(stem.name + ".rank*.safetensors"))
+        self.taken_bytes += size
+        return TakeReport({ref.mark: ref.rows for ref in refs if ref.mark in written}, missing, bytes=size)
+
+
+Entry = tuple[int, bytes, dict[str, Any], tuple[CaptureRef, ...]]  # a store's record: source offset, line, record, captures
+
+
+def take_batch(
+    capture: Any, stem: Path, dataset: str, entries: Sequence[Entry], size: int
+) -> tuple[list[tuple[int, bytes, dict[str, Any]]], int]:
+    """A batch's records, each with ``captured_rows`` where its replies' rows were written to
+    ``stem``'s chunk, and the chunks' bytes on disk after it (``size`` before). What was not
+    captured is said through ``capture.on_problem``; its records land all the same (extract
+    captures them), and a take that fails fails no save."""
+    refs = [ref for entry in entries for ref in entry[3]]
+    try:
+        report = capture.take(stem, refs)
+        size += report.bytes
+    except (RunError, OSError) as exc:
+        capture.on_problem(f"{dataset}: hidden states of {len(refs)} replies not captured ({exc}); extract captures them")
+        return [(offset, line, record) for offset, line, record, _ in entries], size
+    if report.missing:
+        first = next(iter(report.missing.values()))
+        capture.on_problem(
+            f"{dataset}: {len(report.missing)} of {len(refs)} replies' hidden states not captured ({first}); extract captures them"
+        )
+    landed = []
+    for offset, line, record, captures in entries:
+        rows = sum(report.rows.get(ref.mark, 0) for ref in captures)
+        landed.append((offset, line, {**record, "captured_rows": rows} if rows else record))
+    return landed, size
+
+
+def remove_orphan_chunks(files: Any, data_size: int) -> int:
+    """Remove the chunks whose records never landed (a kill between the two: at or past the end
+    of data.jsonl) and half-written ones; the bytes of the chunks kept."""
+    kept = 0
+    for offset, path in files.capture_chunks():
+        if offset >= data_size or path.name.endswith(".tmp"):
+            path.unlink(missing_ok=True)
+        else:
+            kept += path.stat().st_size
+    return kept

@@ -80,11 +80,11 @@ class Completion:
     capture_mark: str | None = None  # where the serving target kept its hidden states (during_generate)
     reply_capture_marks: tuple[str | None, ...] = ()  # each reply's, for a regenerated conversation
 
-    def captured_replies(self) -> list[CaptureRef]:
+    def captured_replies(self) -> tuple[CaptureRef, ...]:
         """The replies the serving target captured, each with the sequence it processed."""
         if self.reply_capture_marks:
-            return capture_refs(self.reply_capture_marks, self.reply_prompt_ids, self.reply_token_ids)
-        return capture_refs((self.capture_mark,), (self.prompt_ids,), (self.token_ids,))
+            return tuple(capture_refs(self.reply_capture_marks, self.reply_prompt_ids, self.reply_token_ids))
+        return tuple(capture_refs((self.capture_mark,), (self.prompt_ids,), (self.token_ids,)))
 
 
 def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:

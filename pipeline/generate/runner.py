@@ -207,8 +207,7 @@ class DatasetRunner:
                 client, prompt, self.config, self.thinking, self.shared.fit,
                 may_go_on=lambda: self.admission.may_go_on(self.store.accepted.tokens), on_reply=lambda reply: self.admission.flight.replied(mine, reply.completion_tokens),
             )  # fmt: skip
-            record = self.shared.redact_data.scrub(self._record(prompt, conversation, completion, written, dropped))
-            self.store.add_record(prompt, record, tuple(completion.captured_replies()))
+            self.store.add_record(prompt, self._record(prompt, conversation, completion, written, dropped), completion.captured_replies())
         except Skipped as exc:  # the first says so in the log; the count is in the progress and the detail
             self.store.add_failure(prompt, skipped_record(prompt, self.config.name, exc.reason))
             if self.store.accepted.skipped == 1:
@@ -244,10 +243,9 @@ class DatasetRunner:
     def _record(
         self, prompt: Prompt, conversation: list[dict[str, Any]], completion: Completion, written: list[int], dropped: int
     ) -> dict[str, Any]:
-        model = self.shared.models.get(completion.endpoint, "")
-        return generated_record(
-            prompt, self.config.name, conversation, completion, written, model=model, thinking=self.thinking, dropped=dropped
-        )
+        model, name = self.shared.models.get(completion.endpoint, ""), self.config.name
+        record = generated_record(prompt, name, conversation, completion, written, model=model, thinking=self.thinking, dropped=dropped)
+        return self.shared.redact_data.scrub(record)
 
     def stop(self) -> None:
         """Kill this dataset: in-flight requests cancelled, finished work kept (resumable)."""
@@ -314,10 +312,6 @@ class DatasetRunner:
         except WriteFailed as exc:
             self._storage_failed(self.shared.redact(str(exc)))
             return False
-        finally:
-            if (problem := self.store.capture_problem) is not None:
-                self.store.capture_problem = None
-                self._log("warning", problem)
         if self.storage_error is not None:
             self._storage_recovered()
         return True
@@ -401,6 +395,5 @@ class DatasetRunner:
             reasoning_tokens=totals.reasoning_tokens,
             reason=self.reason,
             stopped_by=self.stopped_by if self.state.terminal else None,
-            captured_rows=self.store.durable.captured_rows,
-            captured_bytes=self.store.captured_bytes,
+            **self.store.captured(),
         )

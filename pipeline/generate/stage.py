@@ -159,7 +159,10 @@ class GenerateStage:
             await asyncio.to_thread(server.start)
             endpoint = EndpointConfig(base_url=f"{server.base_url}/v1", model=launch.served_name, kind="vllm")
             if plan is not None:
-                capture = ServedCapture(server.base_url, log_path, plan.layers)
+                warn = lambda message: loop.call_soon_threadsafe(self.host.log, "warning", message)  # noqa: E731  (from the saving thread)
+                capture = ServedCapture(server.base_url, log_path, plan.layers, on_problem=warn)
+                capture.limit_bytes = int(self.config.extract.max_cache_gb * 1e9)
+                capture.taken_bytes = sum(runner.store.captured_bytes for runner in self.runners.values())
                 await asyncio.to_thread(capture.start)
                 for runner in self.runners.values():
                     runner.store.capture = capture

@@ -35,7 +35,7 @@ from typing import Any
 
 from eagleops.pipeline.errors import RunError
 from eagleops.pipeline.files import write_json_atomic
-from eagleops.pipeline.generate.capture import CaptureRef, ServedCapture
+from eagleops.pipeline.generate.capture import CaptureRef, ServedCapture, remove_orphan_chunks, take_batch
 from eagleops.pipeline.generate.limits import Budget
 from eagleops.pipeline.layout import DatasetFiles
 from eagleops.pipeline.sources import BadLine, Prompt, Source
@@ -145,7 +145,6 @@ class DatasetStore:
         self.name = name
         self.source = source if isinstance(source, Source) else Source(source)
         self.capture = capture  # the serving target's, with during_generate
-        self.capture_problem: str | None = None  # the last take that failed, for the runner to say
         self.captured_bytes = 0  # the chunks' size on disk
         files = self.files = DatasetFiles(directory)
         self.data_path, self.failed_path, self.manifest_path = files.data, files.failed, files.manifest
@@ -198,7 +197,7 @@ class DatasetStore:
         data_size = self._recover(self.data_path, int(committed["data"]), is_failure=False)
         failed_size = self._recover(self.failed_path, int(committed["failed"]), is_failure=True)
         self._sizes = (data_size, failed_size)
-        self._remove_orphan_captures(data_size)
+        self.captured_bytes = remove_orphan_chunks(self.files, data_size)
         self.accepted = self.durable.copy()
         if self.recovered_records or self.repaired_bytes or manifest.get("version") != MANIFEST_VERSION:
             self._write_manifest(self._manifest())
@@ -239,14 +238,6 @@ class DatasetStore:
                 os.fsync(f.fileno())
         return good
 
-    def _remove_orphan_captures(self, data_size: int) -> None:
-        """Chunks whose records never landed (a kill between the two): at or past data's end."""
-        for offset, path in self.files.capture_chunks():
-            if offset >= data_size or path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)
-            else:
-                self.captured_bytes += path.stat().st_size
-
     # ---- the run's view -------------------------------------------------------------------
     def reader_position(self) -> tuple[int, int]:
         return self._read_pos
@@ -270,6 +261,10 @@ class DatasetStore:
         line = _encode(record)
         self.accepted.add_failure(record)
         self._batch.failed.append((item.offset, line, record))
+
+    def captured(self) -> dict[str, int]:
+        """The hidden-state rows saved with this dataset's records, and their chunks' bytes."""
+        return {"captured_rows": self.durable.captured_rows, "captured_bytes": self.captured_bytes}
 
     def buffered(self) -> int:
         return len(self._batch.data) + len(self._batch.failed)
@@ -333,37 +328,20 @@ class DatasetStore:
             self._manifest_stale = False
 
     def _take_captures(self, batch: _Batch, capture: ServedCapture) -> _Batch:
-        """The batch with its replies' rows taken into the chunk its records start at; each
-        record says how many rows it has there. Taken once: a batch written again (a failed
-        append) keeps its counts and asks for nothing more."""
-        refs = [ref for entry in batch.data for ref in entry[3]]
+        """The batch with its replies' rows taken into the chunk its records start at (see
+        ``generate.capture``); taken once: a batch written again asks for nothing more."""
         stem = self.files.capture_chunk(self._sizes[0])
-        try:
-            report = capture.take(stem, refs)
-            self.captured_bytes += sum(path.stat().st_size for path in stem.parent.glob(stem.name + ".rank*.safetensors"))
-        except (RunError, OSError) as exc:
-            self.capture_problem = f"{self.name}: hidden states of {len(refs)} replies not captured ({exc}); extract captures them"
-            return _Batch([(offset, line, record, ()) for offset, line, record, _ in batch.data], batch.failed)
-        if report.missing:
-            first = next(iter(report.missing.values()))
-            self.capture_problem = (
-                f"{self.name}: {len(report.missing)} of {len(refs)} replies' hidden states not captured ({first}); extract captures them"
-            )
-        data = []
-        for offset, line, record, captures in batch.data:
-            rows = sum(report.rows.get(ref.mark, 0) for ref in captures)
-            if rows:
-                record = {**record, "captured_rows": rows}
-                line = _encode(record)
-            data.append((offset, line, record, ()))
-        return _Batch(data, batch.failed)
+        data, self.captured_bytes = take_batch(capture, stem, self.name, batch.data, self.captured_bytes)
+        return _Batch(
+            [(offset, _encode(record) if record.get("captured_rows") else line, record, ()) for offset, line, record in data], batch.failed
+        )
 
     def _append(self, batch: _Batch) -> tuple[int, int]:
         sizes = list(self._sizes)
-        for i, (path, lines) in enumerate(((self.data_path, batch.data), (self.failed_path, batch.failed))):
+        for i, (path, lines) in enumerate(((self.data_path, [e[1] for e in batch.data]), (self.failed_path, [e[1] for e in batch.failed]))):
             if not lines:
                 continue
-            payload = b"".join(entry[1] for entry in lines)
+            payload = b"".join(lines)
             _write_at(path, sizes[i], payload)
             sizes[i] += len(payload)
         return sizes[0], sizes[1]

@@ -53,6 +53,8 @@ UNTAKEN_S = 300.0  # how long rows of a finished request nobody took are kept
 class HiddenStateCapture:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
+    _eagleops_requests: _Requests | None = None  # request mode (during generate)
+
     def eagleops_capture_start(self, layers_json: str) -> str:
         self.eagleops_capture_stop()
         if _tensor_parallel_rank() != 0:  # its peers hold the same residual stream: one dump, not one per rank
@@ -193,34 +195,37 @@ class _Requests:
             self.finished.pop(mark, None)
         written: dict[str, str] = {}
         missing: dict[str, str] = {}
-        parts: list[dict[str, torch.Tensor]] = []
+        columns: dict[str, list[torch.Tensor]] = {}  # per tensor, every taken request's rows in order
+        lengths: list[int] = []
         for mark, expected in take:
-            pieces = self.rows.pop(mark, None)
+            pieces, n = self.rows.pop(mark, None), int(expected)
             self.finished.pop(mark, None)
-            if not pieces:
-                missing[mark] = "no rows captured"
+            if not pieces or n <= 0:
+                missing[mark] = "no rows captured" if not pieces else "no rows wanted"
                 continue
-            whole = {name: torch.cat([p[name] for p in pieces]) for name in pieces[0]}
-            positions = whole[POSITIONS]
-            if int(expected) <= 0 or positions.numel() == 0:
-                missing[mark] = "no rows wanted"
-                continue
-            # a position computed twice (a preempted request is recomputed): its last computation
-            last = torch.full((int(positions.max()) + 1,), -1, dtype=torch.int64)
-            last.scatter_reduce_(0, positions, torch.arange(positions.numel()), reduce="amax")
-            if last.numel() < int(expected) or bool((last[: int(expected)] < 0).any()):
-                have = int((last[: int(expected)] >= 0).sum())
-                missing[mark] = f"{have} of {int(expected)} rows captured"
-                continue
-            order = last[: int(expected)]
-            part = {name: t[order] for name, t in whole.items() if name != POSITIONS}
-            written[mark] = hashlib.blake2b(part[TOKENS].to(torch.int32).numpy().tobytes(), digest_size=16).hexdigest()
-            parts.append(part)
+            names = [name for name in pieces[0] if name != POSITIONS]
+            positions = torch.cat([p[POSITIONS] for p in pieces])
+            if positions.numel() == n and torch.equal(positions, torch.arange(n)):  # the usual: each position once, in order
+                for name in names:
+                    columns.setdefault(name, []).extend(p[name] for p in pieces)
+                tokens = torch.cat([p[TOKENS] for p in pieces])
+            else:
+                # a position computed twice (a preempted request is recomputed): its last computation
+                last = torch.full((int(positions.max()) + 1,), -1, dtype=torch.int64)
+                last.scatter_reduce_(0, positions, torch.arange(positions.numel()), reduce="amax")
+                if last.numel() < n or bool((last[:n] < 0).any()):
+                    missing[mark] = f"{int((last[:n] >= 0).sum())} of {n} rows captured"
+                    continue
+                for name in names:
+                    columns.setdefault(name, []).append(torch.cat([p[name] for p in pieces])[last[:n]])
+                tokens = columns[TOKENS][-1]
+            written[mark] = hashlib.blake2b(tokens.to(torch.int32).numpy().tobytes(), digest_size=16).hexdigest()
+            lengths.append(n)
         if self.faults:
             raise RuntimeError(self.faults[0])
-        if parts:
-            lengths = [p[TOKENS].numel() for p in parts]
-            tensors = {name: torch.cat([p[name] for p in parts]).contiguous() for name in parts[0]}
+        if lengths:
+            # one concatenation per tensor for the whole batch: the engine waits while this runs
+            tensors = {name: torch.cat(parts).contiguous() for name, parts in columns.items()}
             tensors[TOKENS] = tensors[TOKENS].to(torch.int32)
             tensors[OFFSETS] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
             target = f"{path}.rank{rank}.safetensors"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eagleops.pipeline.errors import RunError
 from eagleops.pipeline.generate.capture import CaptureRef, TakeReport, capture_refs, sequence_digest
 from eagleops.pipeline.generate.store import DatasetStore
 from eagleops.pipeline.layout import DatasetFiles
@@ -145,14 +146,15 @@ def test_a_reply_whose_rows_the_next_prompt_holds_is_not_kept():
 class _FakeCapture:
     """Takes every reply whole, as the workers would, and writes the chunk file."""
 
-    def __init__(self) -> None:
+    def __init__(self, problems: list[str] | None = None) -> None:
         self.takes: list[tuple[Path, list[CaptureRef]]] = []
+        self.on_problem = (problems if problems is not None else []).append
 
     def take(self, stem: Path, refs, forget=()) -> TakeReport:
         stem.parent.mkdir(parents=True, exist_ok=True)
         self.takes.append((stem, list(refs)))
         Path(f"{stem}.rank0.safetensors").write_bytes(b"x" * sum(ref.rows for ref in refs))
-        return TakeReport({ref.mark: ref.rows for ref in refs}, {})
+        return TakeReport({ref.mark: ref.rows for ref in refs}, {}, bytes=sum(ref.rows for ref in refs))
 
 
 def _prompt(offset: int) -> Prompt:
@@ -189,12 +191,69 @@ def test_a_failed_take_lands_the_records_without_rows(tmp_path):
 
     source = tmp_path / "src.jsonl"
     source.write_text(json.dumps({"id": 0}) + "\n")
-    store = DatasetStore(tmp_path / "ds", "ds", source, capture=Gone())  # type: ignore[arg-type]
+    problems: list[str] = []
+    store = DatasetStore(tmp_path / "ds", "ds", source, capture=Gone(problems))  # type: ignore[arg-type]
     store.open()
     store.add_record(_prompt(0), {"source_offset": 0}, (CaptureRef(_mark(0), (1, 2)),))
     asyncio.run(store.flush())
     assert "captured_rows" not in json.loads(store.data_path.read_text())
-    assert store.capture_problem is not None and "extract captures them" in store.capture_problem
+    assert problems and "extract captures them" in problems[0]
+
+
+class _Workers:
+    """collective_rpc as vLLM's two tensor parallel workers answer it: rank 0 captures."""
+
+    def __init__(self, digest_of=lambda ids: sequence_digest(ids)) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+        self.capturing, self.digest_of = True, digest_of
+
+    def __call__(self, base_url, log_path, method, *args):
+        self.calls.append((method, args))
+        if method != "eagleops_capture_take":
+            self.capturing = True
+            return ["[]", "[]"]
+        if not self.capturing:
+            return [json.dumps({"capturing": False, "peer": False}), json.dumps({"capturing": False, "peer": True})]
+        wanted = json.loads(args[1])["take"]
+        if wanted:  # as the workers: no rows, no file
+            Path(f"{args[0]}.rank0.safetensors").write_bytes(b"z" * sum(rows for _, rows in wanted))
+        written = {mark: self.digest_of(IDS[mark][:rows]) for mark, rows in wanted}
+        return [json.dumps({"capturing": True, "written": written, "missing": {}}), json.dumps({"capturing": False, "peer": True})]
+
+
+IDS = {_mark(1): (5, 6, 7, 8), _mark(2): (9, 9, 9)}
+
+
+def test_the_served_capture_checks_the_rows_and_starts_again_after_a_restart(tmp_path):
+    from eagleops.pipeline.generate.capture import ServedCapture
+
+    workers = _Workers()
+    capture = ServedCapture("http://127.0.0.1:1", tmp_path / "log", (1, 2, 3), rpc=workers)
+    refs = [CaptureRef(mark, ids) for mark, ids in IDS.items()]
+    report = capture.take(tmp_path / "c" / "capture-000000000000", refs)
+    assert report.rows == {_mark(1): 3, _mark(2): 2} and report.bytes == 5 and capture.taken_bytes == 5
+    workers.capturing = False  # vLLM restarted: no capture runs in it
+    report = capture.take(tmp_path / "c" / "capture-000000000100", refs)
+    assert report.restarted and report.rows == {} and workers.calls[-1][0] == "eagleops_capture_requests"
+    workers.digest_of = lambda ids: sequence_digest(ids[::-1])  # rows that are not the reply's ids
+    with pytest.raises(RunError, match="rows of other tokens"):
+        capture.take(tmp_path / "c" / "capture-000000000200", refs)
+    assert not list((tmp_path / "c").glob("capture-000000000200*"))
+
+
+def test_captures_stop_at_max_cache_gb_and_say_so_once(tmp_path):
+    from eagleops.pipeline.generate.capture import ServedCapture
+
+    problems: list[str] = []
+    workers = _Workers()
+    capture = ServedCapture("http://127.0.0.1:1", tmp_path / "log", (1, 2, 3), rpc=workers, on_problem=problems.append)
+    capture.limit_bytes, capture.taken_bytes = 4, 4
+    for n in range(2):
+        report = capture.take(tmp_path / f"capture-{n:012d}", [CaptureRef(_mark(1), IDS[_mark(1)])])
+        assert report.rows == {} and report.missing == {}
+        assert json.loads(workers.calls[-1][1][1]) == {"take": [], "forget": [_mark(1)]}  # the workers drop the rows
+    assert len(problems) == 1 and "extract.max_cache_gb" in problems[0]
+    assert not list(tmp_path.glob("capture-*"))
 
 
 # ---- extract: a sample takes the rows of any capture that begins with its ids ----------------------
@@ -270,8 +329,32 @@ def test_a_batch_with_replies_left_uncaptured_says_so(tmp_path, missing):
 
     source = tmp_path / "src.jsonl"
     source.write_text(json.dumps({"id": 0}) + "\n")
-    store = DatasetStore(tmp_path / "ds", "ds", source, capture=Partial())  # type: ignore[arg-type]
+    problems: list[str] = []
+    store = DatasetStore(tmp_path / "ds", "ds", source, capture=Partial(problems))  # type: ignore[arg-type]
     store.open()
     store.add_record(_prompt(0), {"source_offset": 0}, (CaptureRef(_mark(0), (1, 2)),))
     asyncio.run(store.flush())
-    assert store.capture_problem == f"ds: 1 of 1 replies' hidden states not captured ({missing}); extract captures them"
+    assert problems == [f"ds: 1 of 1 replies' hidden states not captured ({missing}); extract captures them"]
+
+
+# ---- the operator's view: rows captured while generate runs ----------------------------------------
+
+
+async def test_the_console_shows_the_rows_captured_while_generate_runs():
+    """At the design size, the stages pane says what extract need not do, and each dataset's
+    line what it captured (`eagleops status` prints the same line)."""
+    from eagleops.console.app import EagleOpsApp
+    from eagleops.console.panes import StagesPane
+    from eagleops.console.report import status_line
+    from eagleops.pipeline.protocol.events import DatasetProgress, DatasetState
+
+    from .test_console import ScriptedLink, _at, _settle, fixed_events
+
+    captured = DatasetProgress("B1", DatasetState.RUNNING, 12_000, 50_000, 80, captured_rows=23_456, captured_bytes=3 * 2**30)
+    link = ScriptedLink([*fixed_events(), captured])
+    app = EagleOpsApp(link, clock=_at)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _settle(pilot)
+        stages = str(app.query_one(StagesPane).render())
+    assert "extract   pending  23.5k rows 3.0 GiB" in stages, stages
+    assert "captured 23.5k rows 3.0 GiB" in status_line(captured, 120)
