@@ -67,6 +67,7 @@ def run_file(work: Path, target: dict, out: Path, stages: list[str], *, one_pass
         f"max_model_len = {SERVE['max_model_len']}",
         f"extra_args = {_toml(SERVE['extra_args'] + SERVE['dtype_args'] + target.get('serve_args', []))}",
         "startup_timeout_s = 600",
+        'cpus = "1"',  # the server on core 1, eagleops on core 0: vLLM's spinning engine core apart from the client (docs/vllm.md)
         "[serve.env]",
         *(f"{k} = {_toml(v)}" for k, v in SERVE["env"].items()),
         "[prepare]",
