@@ -158,9 +158,8 @@ def one_round(work: Path, target: dict, name: str, *, one_pass: bool) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     phases = {}
     for stage in ("generate", "prepare", "extract"):
-        phases[stage] = measured(
-            [sys.executable, "-m", "eagleops", "run", str(run_file(work, target, out, [stage], one_pass=one_pass)), "--no-tui"]
-        )
+        command = [sys.executable, "-m", "eagleops", "run", str(run_file(work, target, out, [stage], one_pass=one_pass)), "--no-tui"]
+        phases[stage] = measured(command, out / "servers" / "vllm-generate.log" if stage == "generate" else None)
     index = json.loads((out / "features" / "index.json").read_text())
     records = [json.loads(line) for line in (out / "chat" / "data.jsonl").read_text().splitlines()]
     return {
@@ -259,7 +258,7 @@ def main() -> None:
 def _print_table(name: str, rounds: list[dict]) -> None:
     print(f"\n{name}: two pass = generate, then extract through vLLM; one pass = generate with during_generate, then extract")
     print(
-        "round | way | generate s (cpu s) | extract s (cpu s) | gen+extract s | MB written | tokens from generate | one/two generate | one/two total"
+        "round | way | generate s (serving s, cpu s) | extract s (cpu s) | gen+extract s | MB written | tokens from generate | one/two serving | one/two total"
     )
     for r, result in enumerate(rounds):
         two, one = result["two_pass"]["phases"], result["one_pass"]["phases"]

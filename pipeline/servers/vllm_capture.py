@@ -46,6 +46,7 @@ FINAL = "final"
 TOKENS = "input_ids"
 POSITIONS = "positions"
 OFFSETS = "offsets"
+OWNER = "owner"  # a kept row's request (request mode)
 MARK = re.compile(r"eagleops-[0-9a-f]{24}")  # in the id of a request to capture (its X-Request-Id)
 UNTAKEN_S = 300.0  # how long rows of a finished request nobody took are kept
 
@@ -138,22 +139,41 @@ class HiddenStateCapture:
 
 
 class _Requests:
-    """The rows of every marked request, forward by forward: each forward's rows split by the
-    batch the runner was given (its requests in ``input_batch.req_ids`` order, each with its
-    scheduled tokens, padding after)."""
+    """The rows of every marked request. Each forward's rows get their owner (the request, by the
+    batch the runner was given: its requests in ``input_batch.req_ids`` order, each with its
+    scheduled tokens, padding after) as one tensor, so a forward costs a few tensor operations
+    whatever its batch; a take sorts the kept rows by owner and position once for the batch."""
 
     def __init__(self, captured: dict[str, list[torch.Tensor]], faults: list[str]) -> None:
         self.captured, self.faults = captured, faults
         self.batch: tuple[dict[str, int], Any] | None = None  # the forward to come: (scheduled counts, input batch)
-        self.rows: dict[str, list[dict[str, torch.Tensor]]] = {}  # mark -> per forward, its rows
+        self.kept: list[dict[str, torch.Tensor]] = []  # forwards' marked rows, with OWNER: a row's request
+        self.owners: dict[str, int] = {}  # mark -> its owner number
+        self.next_owner = 0
         self.finished: dict[str, float] = {}  # mark -> when vLLM said the request finished
         self.marks: dict[str, str | None] = {}  # vLLM's request id -> our mark (None: not ours)
 
-    def _mark(self, request_id: str) -> str | None:
+    def _owner(self, request_id: str) -> int:
         if request_id not in self.marks:
             found = MARK.search(request_id)
             self.marks[request_id] = found.group(0) if found else None
-        return self.marks[request_id]
+        mark = self.marks[request_id]
+        if mark is None:
+            return -1
+        if mark not in self.owners:
+            self.next_owner += 1  # never a number given before: kept rows of a taken request may still carry it
+            self.owners[mark] = self.next_owner
+        return self.owners[mark]
+
+    @property
+    def rows(self) -> dict[str, int]:
+        """Rows kept per mark (what nobody has taken yet)."""
+        if not self.kept:
+            return {}
+        owner = torch.cat([part[OWNER] for part in self.kept])
+        by_owner = {number: mark for mark, number in self.owners.items()}
+        counts = torch.bincount(owner)
+        return {by_owner[int(o)]: int(counts[o]) for o in torch.nonzero(counts).flatten()}
 
     def scheduled(self, scheduler_output: Any, input_batch: Any) -> None:
         now = time.monotonic()
@@ -161,77 +181,98 @@ class _Requests:
             mark = self.marks.pop(request_id, None)
             if mark is not None:
                 self.finished[mark] = now
-        for mark, when in list(self.finished.items()):
-            if now - when > UNTAKEN_S:
-                self.finished.pop(mark)
-                self.rows.pop(mark, None)
+        expired = [mark for mark, when in self.finished.items() if now - when > UNTAKEN_S]
+        if expired:
+            self._drop(expired)
         # the runner lays the forward's rows out after it updates its persistent batch from this
         # output: the order is read when the forward is done, the counts are this output's
         counts = getattr(scheduler_output, "num_scheduled_tokens", None)
         self.batch = (counts, input_batch) if counts else None
 
     def forward_done(self) -> None:
-        """One forward's rows, given to their requests; the forward's lists emptied."""
+        """One forward's marked rows kept with their owners; the forward's lists emptied."""
         batch, self.batch = self.batch, None
-        forward = {name: torch.cat(rows) for name, rows in self.captured.items() if rows}
+        forward = {name: rows[0] if len(rows) == 1 else torch.cat(rows) for name, rows in self.captured.items() if rows}
         for rows in self.captured.values():
             rows.clear()
         if batch is None or TOKENS not in forward:  # a dummy forward (warm-up, profiling): no request's
             return
         counts, input_batch = batch
-        start = 0
-        for request_id in input_batch.req_ids:
-            n = int(counts.get(request_id, 0))
-            mark = self._mark(request_id)
-            if mark is not None and n:
-                self.rows.setdefault(mark, []).append({name: t[start : start + n] for name, t in forward.items()})
-            start += n
+        ids = list(input_batch.req_ids)
+        owner = torch.repeat_interleave(torch.tensor([self._owner(r) for r in ids]), torch.tensor([int(counts.get(r, 0)) for r in ids]))
+        ours = owner >= 0  # padding after the batch's rows, and requests nobody marked, are not kept
+        if bool(ours.any()):
+            part = {name: t[: owner.numel()][ours] for name, t in forward.items()}
+            part[OWNER] = owner[ours]
+            self.kept.append(part)
+
+    def _drop(self, marks: list[str]) -> None:
+        numbers = torch.tensor([self.owners.pop(m) for m in marks if m in self.owners], dtype=torch.int64)
+        for mark in marks:
+            self.finished.pop(mark, None)
+        if numbers.numel() and self.kept:
+            merged = {name: torch.cat([part[name] for part in self.kept]) for name in self.kept[0]}
+            stay = ~torch.isin(merged[OWNER], numbers)
+            self.kept = [{name: t[stay] for name, t in merged.items()}] if bool(stay.any()) else []
 
     def take(self, path: str, rank: int, take: list[Any], forget: list[str]) -> dict[str, Any]:
         from safetensors.torch import save_file
 
-        for mark in forget:
-            self.rows.pop(mark, None)
-            self.finished.pop(mark, None)
+        self._drop(list(forget))
         written: dict[str, str] = {}
         missing: dict[str, str] = {}
-        columns: dict[str, list[torch.Tensor]] = {}  # per tensor, every taken request's rows in order
+        wanted = {self.owners[mark]: (k, mark, int(n)) for k, (mark, n) in enumerate(take) if mark in self.owners and int(n) > 0}
+        for mark, n in take:
+            if mark not in self.owners or int(n) <= 0:
+                missing[mark] = "no rows captured" if mark not in self.owners else "no rows wanted"
+        merged = {name: torch.cat([part[name] for part in self.kept]) for name in self.kept[0]} if self.kept else {}
+        chosen: dict[str, torch.Tensor] = {}
         lengths: list[int] = []
-        for mark, expected in take:
-            pieces, n = self.rows.pop(mark, None), int(expected)
-            self.finished.pop(mark, None)
-            if not pieces or n <= 0:
-                missing[mark] = "no rows captured" if not pieces else "no rows wanted"
-                continue
-            names = [name for name in pieces[0] if name != POSITIONS]
-            positions = torch.cat([p[POSITIONS] for p in pieces])
-            if positions.numel() == n and torch.equal(positions, torch.arange(n)):  # the usual: each position once, in order
-                for name in names:
-                    columns.setdefault(name, []).extend(p[name] for p in pieces)
-                tokens = torch.cat([p[TOKENS] for p in pieces])
-            else:
-                # a position computed twice (a preempted request is recomputed): its last computation
-                last = torch.full((int(positions.max()) + 1,), -1, dtype=torch.int64)
-                last.scatter_reduce_(0, positions, torch.arange(positions.numel()), reduce="amax")
-                if last.numel() < n or bool((last[:n] < 0).any()):
-                    missing[mark] = f"{int((last[:n] >= 0).sum())} of {n} rows captured"
+        if wanted and merged:
+            numbers = torch.tensor(sorted(wanted), dtype=torch.int64)
+            mine = torch.isin(merged[OWNER], numbers)
+            rows = torch.nonzero(mine).flatten()
+            # the take's order, then position; a position computed twice (a preempted request is
+            # recomputed) keeps its last computation: the stable sort keeps rows in computed order
+            rank_of = torch.full((int(numbers.max()) + 1,), -1, dtype=torch.int64)
+            rank_of[numbers] = torch.tensor([wanted[int(o)][0] for o in numbers])
+            positions = merged[POSITIONS][rows]
+            key = rank_of[merged[OWNER][rows]] * (int(positions.max()) + 2) + positions
+            order = torch.sort(key, stable=True).indices
+            key, rows = key[order], rows[order]
+            last = torch.ones_like(key, dtype=torch.bool)
+            last[:-1] = key[1:] != key[:-1]
+            key, rows = key[last], rows[last]
+            owners, positions = merged[OWNER][rows], merged[POSITIONS][rows]
+            need = torch.zeros(int(numbers.max()) + 1, dtype=torch.int64)
+            need[numbers] = torch.tensor([wanted[int(o)][2] for o in numbers])
+            inside = positions < need[owners]  # a request's first n positions (distinct, from 0: all n, or some missing)
+            have = torch.bincount(owners[inside], minlength=need.numel())
+            whole = have == need
+            keep = inside & whole[owners]
+            chosen = {name: t[rows[keep]] for name, t in merged.items() if name not in (POSITIONS, OWNER)}
+            start = 0
+            for number in sorted(wanted, key=lambda o: wanted[o][0]):  # the take's order: the rows' order
+                _, mark, n = wanted[number]
+                if not bool(whole[number]):
+                    missing[mark] = f"{int(have[number])} of {n} rows captured"
                     continue
-                for name in names:
-                    columns.setdefault(name, []).append(torch.cat([p[name] for p in pieces])[last[:n]])
-                tokens = columns[TOKENS][-1]
-            written[mark] = hashlib.blake2b(tokens.to(torch.int32).numpy().tobytes(), digest_size=16).hexdigest()
-            lengths.append(n)
+                written[mark] = hashlib.blake2b(
+                    chosen[TOKENS][start : start + n].to(torch.int32).numpy().tobytes(), digest_size=16
+                ).hexdigest()
+                lengths.append(n)
+                start += n
+        self._drop([mark for _, mark, _ in wanted.values()])
         if self.faults:
             raise RuntimeError(self.faults[0])
         if lengths:
-            # one concatenation per tensor for the whole batch: the engine waits while this runs
-            tensors = {name: torch.cat(parts).contiguous() for name, parts in columns.items()}
+            tensors = {name: t.contiguous() for name, t in chosen.items()}
             tensors[TOKENS] = tensors[TOKENS].to(torch.int32)
             tensors[OFFSETS] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
             target = f"{path}.rank{rank}.safetensors"
             save_file(tensors, target + ".tmp")
             os.replace(target + ".tmp", target)
-        return {"capturing": True, "rank": rank, "written": written, "missing": missing, "kept": len(self.rows)}
+        return {"capturing": True, "rank": rank, "written": written, "missing": missing, "kept": len(self.owners)}
 
 
 def _decoder(model: Any) -> Any:

@@ -122,6 +122,22 @@ def test_the_worker_keeps_each_requests_rows_through_chunks_decode_and_preemptio
     assert worker.requests.rows == {}  # taken, and nobody else's were kept
 
 
+def test_rows_of_a_request_still_running_stay_through_another_take(tmp_path):
+    from safetensors.torch import load_file
+
+    a, c = f"chatcmpl-{_mark(1)}-1", f"chatcmpl-{_mark(3)}-3"
+    worker = _FakeWorker()
+    worker.forward([(a, [1, 2], [0, 1]), (c, [7, 8, 9], [0, 1, 2])])
+    worker.forward([(c, [10], [3]), (a, [3], [2])])
+    worker.requests.take(str(tmp_path / "one"), 0, [[_mark(1), 3]], [])
+    assert worker.requests.rows == {_mark(3): 4}
+    worker.forward([(c, [11], [4]), (f"chatcmpl-{_mark(4)}-4", [5, 5], [0, 1])])  # a request that comes after a take
+    worker.requests.take(str(tmp_path / "two"), 0, [[_mark(3), 5]], [_mark(9)])  # forgetting an unknown mark is no error
+    two = load_file(str(tmp_path / "two.rank0.safetensors"))
+    assert two["input_ids"].tolist() == [7, 8, 9, 10, 11] and two["1"][:, 1].tolist() == [0, 1, 2, 3, 4]
+    assert worker.requests.rows == {_mark(4): 2}
+
+
 def test_a_take_that_wants_more_rows_than_were_computed_writes_none(tmp_path):
     worker = _FakeWorker()
     worker.forward([(f"chatcmpl-{_mark(1)}-x", [5, 6], [0, 1])])
@@ -184,20 +200,33 @@ def test_a_batch_takes_its_rows_before_its_records_land_and_a_kill_between_leave
     assert reopened.durable.captured_rows == 6 and reopened.captured_bytes == 6
 
 
-def test_a_failed_take_lands_the_records_without_rows(tmp_path):
-    class Gone(_FakeCapture):
-        def take(self, stem, refs, forget=()):
-            raise OSError("connection refused")
+class _Gone(_FakeCapture):
+    def take(self, stem, refs, forget=()):
+        raise OSError("connection refused")
 
+
+class _Partial(_FakeCapture):
+    def take(self, stem, refs, forget=()):
+        return TakeReport({}, {ref.mark: "no rows captured" for ref in refs})
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"),
+    [
+        (_Gone, "hidden states of 1 replies not captured (connection refused)"),
+        (_Partial, "1 of 1 replies' hidden states not captured (no rows captured)"),
+    ],
+)
+def test_a_batch_whose_rows_were_not_taken_lands_and_says_so(tmp_path, kind, said):
     source = tmp_path / "src.jsonl"
     source.write_text(json.dumps({"id": 0}) + "\n")
     problems: list[str] = []
-    store = DatasetStore(tmp_path / "ds", "ds", source, capture=Gone(problems))  # type: ignore[arg-type]
+    store = DatasetStore(tmp_path / "ds", "ds", source, capture=kind(problems))
     store.open()
     store.add_record(_prompt(0), {"source_offset": 0}, (CaptureRef(_mark(0), (1, 2)),))
     asyncio.run(store.flush())
     assert "captured_rows" not in json.loads(store.data_path.read_text())
-    assert problems and "extract captures them" in problems[0]
+    assert problems == [f"ds: {said}; extract captures them"]
 
 
 class _Workers:
@@ -319,22 +348,6 @@ def test_a_shard_mixes_captured_rows_with_computed_ones(tmp_path):
 def test_captures_of_other_layers_are_not_used(tmp_path):
     _write_capture(tmp_path, [[1, 2, 3]])
     assert GeneratedRows.find(_config(tmp_path), (1, 2, 4)) is None
-
-
-@pytest.mark.parametrize("missing", ["no rows captured"])
-def test_a_batch_with_replies_left_uncaptured_says_so(tmp_path, missing):
-    class Partial(_FakeCapture):
-        def take(self, stem, refs, forget=()):
-            return TakeReport({}, {ref.mark: missing for ref in refs})
-
-    source = tmp_path / "src.jsonl"
-    source.write_text(json.dumps({"id": 0}) + "\n")
-    problems: list[str] = []
-    store = DatasetStore(tmp_path / "ds", "ds", source, capture=Partial(problems))  # type: ignore[arg-type]
-    store.open()
-    store.add_record(_prompt(0), {"source_offset": 0}, (CaptureRef(_mark(0), (1, 2)),))
-    asyncio.run(store.flush())
-    assert problems == [f"ds: 1 of 1 replies' hidden states not captured ({missing}); extract captures them"]
 
 
 # ---- the operator's view: rows captured while generate runs ----------------------------------------
