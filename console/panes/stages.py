@@ -40,10 +40,11 @@ class StagesPane(TextPane):
             progress = state.stage_progress.get(name)
             if progress is not None and progress.total and status in (StageStatus.RUNNING, StageStatus.PAUSED) and not state.engine_gone:
                 line += f" {100 * progress.done / progress.total:5.1f}% ETA {format_duration(progress.eta_s)}"
-            elif name == "extract" and status == StageStatus.PENDING and (rows := sum(p.captured_rows for p in state.datasets.values())):
-                # the serving target captures as it generates (during_generate): what extract need not do
-                line += f" {format_tokens(rows)} rows {format_bytes(sum(p.captured_bytes for p in state.datasets.values()))}"
             lines.append(line)
+            if name == "extract" and status == StageStatus.PENDING and (rows := sum(p.captured_rows for p in state.datasets.values())):
+                # the serving target captures as it generates (during_generate): what extract need
+                # not do, on a line of its own (the pane is 23 columns at 80x24)
+                lines.append(f"  {format_tokens(rows)} rows, {format_bytes(sum(p.captured_bytes for p in state.datasets.values()))}")
         train = state.stage_metrics.get("train", {})
         if "loss" in train:
             acc = train.get("acc") or []

@@ -369,5 +369,7 @@ async def test_the_console_shows_the_rows_captured_while_generate_runs():
     async with app.run_test(size=(80, 24)) as pilot:
         await _settle(pilot)
         stages = str(app.query_one(StagesPane).render())
-    assert "extract   pending  23.5k rows 3.0 GiB" in stages, stages
+    lines = [line.rstrip() for line in stages.splitlines()]
+    below = lines[lines.index("· extract   pending") + 1]
+    assert below == "  23.5k rows, 3.0 GiB" and len(below) <= 23, stages  # the pane is 23 columns wide at 80x24
     assert "captured 23.5k rows 3.0 GiB" in status_line(captured, 120)
