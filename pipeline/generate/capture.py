@@ -16,6 +16,7 @@ Torch-free: generate never imports torch; the workers write the safetensors.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import secrets
@@ -57,6 +58,7 @@ class CaptureRef:
 
     mark: str
     ids: tuple[int, ...]  # prompt ids then completion ids
+    kept: bool = True  # False: the next reply's rows hold these; the workers only forget them
 
     @property
     def rows(self) -> int:
@@ -66,16 +68,20 @@ class CaptureRef:
 def capture_refs(
     marks: Sequence[str | None], prompts: Sequence[Sequence[int] | None], replies: Sequence[Sequence[int] | None]
 ) -> list[CaptureRef]:
-    """The replies of one record worth keeping: each with its mark and both id lists, less any
-    whose rows the next reply's prompt holds again (a chat whose next prompt continues the
-    reply: prepare trains the two in one sample, whose rows the later request has)."""
+    """The replies of one record the serving target captured, each with its mark and both id
+    lists; one whose rows the next reply's prompt holds again is not ``kept`` (a chat whose next
+    prompt continues the reply: prepare trains the two in one sample, whose rows the later
+    request has), so the workers drop its rows at once instead of keeping them."""
     refs = [
         CaptureRef(mark, (*prompt, *reply))
         for mark, prompt, reply in zip(marks, prompts, replies, strict=True)
         if mark and prompt and reply
     ]
     later = [*refs[1:], None]
-    return [ref for ref, after in zip(refs, later, strict=False) if after is None or after.ids[: ref.rows] != ref.ids[: ref.rows]]
+    return [
+        ref if after is None or after.ids[: ref.rows] != ref.ids[: ref.rows] else dataclasses.replace(ref, kept=False)
+        for ref, after in zip(refs, later, strict=False)
+    ]
 
 
 @dataclass
@@ -153,9 +159,9 @@ def take_batch(
     ``stem``'s chunk, and the chunks' bytes on disk after it (``size`` before). What was not
     captured is said through ``capture.on_problem``; its records land all the same (extract
     captures them), and a take that fails fails no save."""
-    refs = [ref for entry in entries for ref in entry[3]]
+    refs = [ref for entry in entries for ref in entry[3] if ref.kept]
     try:
-        report = capture.take(stem, refs)
+        report = capture.take(stem, refs, [ref.mark for entry in entries for ref in entry[3] if not ref.kept])
         size += report.bytes
     except (RunError, OSError) as exc:
         capture.on_problem(f"{dataset}: hidden states of {len(refs)} replies not captured ({exc}); extract captures them")

@@ -154,8 +154,8 @@ def test_a_reply_whose_rows_the_next_prompt_holds_is_not_kept():
     replies = [[3, 4], [6, 7], [8]]
     refs = capture_refs([_mark(1), _mark(2), _mark(3)], prompts, replies)
     # the first reply's rows (1 2 3) are the second request's first rows; the second's are not the third's
-    assert [ref.mark for ref in refs] == [_mark(2), _mark(3)]
-    assert refs[0].ids == (1, 2, 3, 4, 9, 5, 6, 7) and refs[0].rows == 7
+    assert [(ref.mark, ref.kept) for ref in refs] == [(_mark(1), False), (_mark(2), True), (_mark(3), True)]
+    assert refs[1].ids == (1, 2, 3, 4, 9, 5, 6, 7) and refs[1].rows == 7
     assert capture_refs([None], [[1]], [[2]]) == []  # a reply from an endpoint that does not capture
 
 
@@ -164,11 +164,13 @@ class _FakeCapture:
 
     def __init__(self, problems: list[str] | None = None) -> None:
         self.takes: list[tuple[Path, list[CaptureRef]]] = []
+        self.forgotten: list[str] = []
         self.on_problem = (problems if problems is not None else []).append
 
     def take(self, stem: Path, refs, forget=()) -> TakeReport:
         stem.parent.mkdir(parents=True, exist_ok=True)
         self.takes.append((stem, list(refs)))
+        self.forgotten.extend(forget)
         Path(f"{stem}.rank0.safetensors").write_bytes(b"x" * sum(ref.rows for ref in refs))
         return TakeReport({ref.mark: ref.rows for ref in refs}, {}, bytes=sum(ref.rows for ref in refs))
 
@@ -185,9 +187,14 @@ def test_a_batch_takes_its_rows_before_its_records_land_and_a_kill_between_leave
     store = DatasetStore(files.dir, "ds", source, capture=capture)  # type: ignore[arg-type]
     store.open()
     for offset in range(3):
-        store.add_record(_prompt(offset), {"source_offset": offset, "completion_tokens": 2}, (CaptureRef(_mark(offset), (1, 2, 3)),))
+        earlier = CaptureRef(_mark(10 + offset), (1, 2), kept=False)  # a reply the next one's rows hold
+        store.add_record(
+            _prompt(offset), {"source_offset": offset, "completion_tokens": 2}, (earlier, CaptureRef(_mark(offset), (1, 2, 3)))
+        )
     asyncio.run(store.flush())
     assert [stem.name for stem, _ in capture.takes] == ["capture-000000000000"]
+    assert [ref.mark for ref in capture.takes[0][1]] == [_mark(0), _mark(1), _mark(2)]
+    assert capture.forgotten == [_mark(10), _mark(11), _mark(12)]
     records = [json.loads(line) for line in files.data.read_text().splitlines()]
     assert [r["captured_rows"] for r in records] == [2, 2, 2]
     assert store.durable.captured_rows == 6
