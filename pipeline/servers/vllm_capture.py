@@ -119,11 +119,12 @@ class HiddenStateCapture:
         execute = type(runner).execute_model.__get__(runner)
 
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            requests.scheduled(scheduler_output, runner.input_batch)
+            requests.guarded(requests.scheduled, scheduler_output, runner.input_batch)
             return execute(scheduler_output, *args, **kwargs)
 
         runner.execute_model = execute_model
-        hooks.append(self.get_model().register_forward_hook(lambda module, args, output: requests.forward_done()))  # type: ignore[attr-defined]
+        done = self.get_model().register_forward_hook(lambda module, args, output: requests.guarded(requests.forward_done))  # type: ignore[attr-defined]
+        hooks.append(done)
         self._eagleops_requests = requests
         return layers
 
@@ -152,6 +153,18 @@ class _Requests:
         self.next_owner = 0
         self.finished: dict[str, float] = {}  # mark -> when vLLM said the request finished
         self.marks: dict[str, str | None] = {}  # vLLM's request id -> our mark (None: not ours)
+
+    def guarded(self, step: Any, *args: Any) -> None:
+        """``step`` run in vLLM's engine loop, where an exception would stop the engine and every
+        request with it: kept instead, and raised by the next take (the capture's own failure)."""
+        try:
+            step(*args)
+        except Exception as exc:
+            if not self.faults:
+                self.faults.append(f"the capture failed in vLLM's engine loop: {type(exc).__name__}: {exc}")
+            self.batch = None
+            for rows in self.captured.values():
+                rows.clear()
 
     def _owner(self, request_id: str) -> int:
         if request_id not in self.marks:
@@ -263,8 +276,10 @@ class _Requests:
                 lengths.append(n)
                 start += n
         self._drop([mark for _, mark, _ in wanted.values()])
-        if self.faults:
-            raise RuntimeError(self.faults[0])
+        if self.faults:  # said once, by this take; the batches after it are captured again
+            fault = self.faults[0]
+            self.faults.clear()
+            raise RuntimeError(fault)
         if lengths:
             tensors = {name: t.contiguous() for name, t in chosen.items()}
             tensors[TOKENS] = tensors[TOKENS].to(torch.int32)

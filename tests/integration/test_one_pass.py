@@ -94,7 +94,7 @@ class _FakeWorker:
         state = torch.tensor([[float(hash(rid) % 97), float(p)] for rid, _, where in batch for p in where] + [[-1.0, -1.0]] * padding)
         self.captured["1"].append(state)
         self.captured[vllm_capture.FINAL].append(state * 2)
-        self.requests.forward_done()
+        self.requests.guarded(self.requests.forward_done)
 
 
 def _mark(n: int) -> str:
@@ -136,6 +136,16 @@ def test_rows_of_a_request_still_running_stay_through_another_take(tmp_path):
     two = load_file(str(tmp_path / "two.rank0.safetensors"))
     assert two["input_ids"].tolist() == [7, 8, 9, 10, 11] and two["1"][:, 1].tolist() == [0, 1, 2, 3, 4]
     assert worker.requests.rows == {_mark(4): 2}
+
+
+def test_a_failure_in_the_engine_loop_is_said_at_the_next_take_not_raised_there(tmp_path):
+    worker = _FakeWorker()
+    worker.captured["1"].append(torch.zeros(1, 3))  # a row of another width: rows that cannot be joined
+    worker.forward([(f"chatcmpl-{_mark(1)}-x", [5, 6], [0, 1])])  # through the guard, as the hook runs it
+    with pytest.raises(RuntimeError, match="the capture failed in vLLM's engine loop"):
+        worker.requests.take(str(tmp_path / "chunk"), 0, [[_mark(1), 1]], [])
+    worker.forward([(f"chatcmpl-{_mark(2)}-y", [7, 8], [0, 1])])  # the capture goes on
+    assert worker.requests.take(str(tmp_path / "chunk"), 0, [[_mark(2), 2]], [])["written"]
 
 
 def test_a_take_that_wants_more_rows_than_were_computed_writes_none(tmp_path):
