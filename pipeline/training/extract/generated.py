@@ -51,6 +51,14 @@ class GeneratedRows:
         self._found = found  # (length, digest of the first `length` ids) -> the capture
         self.rows_used = 0
         self.samples_used = 0
+        self._open: dict[Path, Any] = {}  # each chunk file opened once (its header parsed once), not per sample
+
+    def _file(self, path: Path) -> Any:
+        from safetensors import safe_open
+
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path]
 
     @classmethod
     def find(cls, config: RunConfig, layers: tuple[int, ...]) -> GeneratedRows | None:
@@ -90,24 +98,21 @@ class GeneratedRows:
     def features(self, ids: Any) -> tuple[Any, Any] | None:
         """(aux [m, 3H], final [m, H]) bf16 of a sample of ``m`` ids, or None if no capture holds it."""
         import torch
-        from safetensors import safe_open
 
         capture = self._lookup(ids)
         if capture is None:
             return None
         m = len(ids)
         names = self._files[capture.chunk]
-        with safe_open(str(names[TOKENS]), framework="pt") as f:
-            rows = min(m, capture.rows)
-            captured_ids = f.get_slice(TOKENS)[capture.start : capture.start + rows]
+        rows = min(m, capture.rows)
+        captured_ids = self._file(names[TOKENS]).get_slice(TOKENS)[capture.start : capture.start + rows]
         if not torch.equal(captured_ids[: m - 1].long(), torch.as_tensor(ids[: m - 1]).long()):
             return None  # another sequence with the same digest: computed instead
         if rows == m and int(captured_ids[m - 1]) != int(ids[m - 1]):
             rows = m - 1  # the capture goes on with another id: its row is not this sample's
         parts = []
         for name in [*map(str, self.layers), FINAL]:
-            with safe_open(str(names[name]), framework="pt") as f:
-                part = f.get_slice(name)[capture.start : capture.start + rows].to(torch.bfloat16)
+            part = self._file(names[name]).get_slice(name)[capture.start : capture.start + rows].to(torch.bfloat16)
             if rows < m:  # the last row: no state was computed for it (see the module's doc)
                 part = torch.cat([part, part.new_zeros((m - rows, part.shape[1]))])
             parts.append(part)
