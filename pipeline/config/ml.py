@@ -11,7 +11,8 @@ from .schema import Check, at_least, finite_at_least, one_of, setting, within
 
 __all__ = ["DRAFTERS", "EvalConfig", "ExtractConfig", "PrepareConfig", "TrainConfig"]
 
-DRAFTERS = ("eagle3", "eagle3.1", "mla", "mla3.1")
+DRAFTERS = ("eagle3", "eagle3.1", "mla", "mla3.1", "dflash")
+BLOCK_DRAFTERS = ("dflash",)  # draft a whole block in one forward (``modeling.dflash``)
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,8 @@ class PrepareConfig:
     shard_samples: int = setting(4096, "samples per prepared shard", check=at_least(1))
 
 
-def _three_layers(layers: tuple[int, ...] | None) -> bool:
-    return layers is None or (len(layers) == 3 and all(x >= 0 for x in layers))
+def _distinct_layers(layers: tuple[int, ...] | None) -> bool:
+    return layers is None or (len(layers) >= 1 and all(x >= 0 for x in layers) and list(layers) == sorted(set(layers)))
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ class ExtractConfig:
     )
     aux_layers: tuple[int, ...] | None = setting(
         None,
-        "three layer indices (low, mid, high); default `[1, N//2-1, N-4]`",
-        check=Check(_three_layers, "must be three layer indices (low, middle, high), e.g. [1, 15, 28]"),
+        "layer indices, ascending: three for EAGLE-3 (default `[1, N//2-1, N-4]`), one per drafter layer for dflash (default spread over 1..N-3)",
+        check=Check(_distinct_layers, "must be distinct layer indices in ascending order, e.g. [1, 15, 28]"),
     )
     batch_tokens: int = setting(8192, "padded tokens per forward batch", check=at_least(1))
     shard_samples: int = setting(256, "samples per feature shard", check=at_least(1))
@@ -76,7 +77,21 @@ class TrainConfig:
     max_grad_norm: float = setting(0.5, "gradient clipping", check=Check(lambda v: v > 0, "must be positive"))
     weight_decay: float = setting(0.0, "AdamW weight decay", check=finite_at_least(0))
     seed: int = setting(0, "initialisation and data order seed")
-    drafter: str = setting("eagle3", "`eagle3`, `eagle3.1`, `mla` or `mla3.1` (the README's train stage)", check=one_of(*DRAFTERS))
+    drafter: str = setting(
+        "eagle3", "`eagle3`, `eagle3.1`, `mla`, `mla3.1` or `dflash` (the README's train stage)", check=one_of(*DRAFTERS)
+    )
+    drafter_layers: int = setting(
+        0, "decoder layers (0: 1 for the EAGLE-3 kinds, the only count they serve; 5 for dflash, its published recipe)", check=at_least(0)
+    )
+    block_size: int = setting(
+        16, "dflash: tokens a block holds, the verified one first; it drafts block_size - 1 in one forward", check=at_least(2)
+    )
+    anchors: int = setting(
+        512, "dflash: blocks trained per sample at most, their first tokens drawn at random among reply tokens", check=at_least(1)
+    )
+    block_decay: float = setting(
+        7.0, "dflash: block position k's loss weighs exp(-(k-1)/block_decay) (0: all alike)", check=finite_at_least(0)
+    )
     drafter_heads: int = setting(0, "attention heads (0: chosen for the target's family, see the README)", check=at_least(0))
     drafter_kv_heads: int = setting(0, "KV heads of Llama attention (0: chosen for the target's family)", check=at_least(0))
     drafter_head_dim: int = setting(0, "Llama's head dim, MLA's v_head_dim (0: chosen for the target)", check=at_least(0))

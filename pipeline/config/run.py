@@ -15,11 +15,12 @@ from ..layout import RunLayout
 from ..placement import is_cpu_list
 from ..stages import STAGE_NAMES
 from .fields import FORMATS, FieldsConfig
-from .ml import DRAFTERS, EvalConfig, ExtractConfig, PrepareConfig, TrainConfig
+from .ml import BLOCK_DRAFTERS, DRAFTERS, EvalConfig, ExtractConfig, PrepareConfig, TrainConfig
 from .request_fields import REQUEST_FIELDS
 from .schema import Check, Table, at_least, finite_at_least, matches, one_of, parse_table, setting, within
 
 __all__ = [
+    "BLOCK_DRAFTERS",
     "DRAFTERS",
     "DatasetConfig",
     "EndpointConfig",
@@ -244,6 +245,19 @@ class RunConfig:
                 raise table.fail("extract", "during_generate captures through one replica: set serve.data_parallel_size = 1")
             if config.target is None:
                 raise table.fail("extract", "during_generate needs a [target] table (its layers are captured)")
+        if config.train.drafter not in BLOCK_DRAFTERS:
+            if config.extract.aux_layers is not None and len(config.extract.aux_layers) != 3:
+                raise table.fail(
+                    "extract", f"aux_layers: an EAGLE-3 drafter ({config.train.drafter}) reads three layers (low, middle, high)"
+                )
+            if config.train.drafter_layers > 1:
+                raise table.fail("train", f"drafter_layers: {config.train.drafter} is served with one decoder layer; leave it 0 or 1")
+        elif (
+            config.extract.aux_layers is not None
+            and config.train.drafter_layers
+            and len(config.extract.aux_layers) != config.train.drafter_layers
+        ):
+            raise table.fail("extract", "aux_layers: a dflash drafter reads one target layer per drafter layer (train.drafter_layers)")
         if config.extract.max_cache_gb and not (config.train.overlap_extract and config.train.epochs == 1):
             raise table.fail(
                 "extract",

@@ -35,14 +35,18 @@ class SglangLaunch:
     data_parallel_size: int = 1
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
-    draft: Path | None = None  # an EAGLE-3 drafter export; None serves the target alone
+    draft: Path | None = None  # a drafter export; None serves the target alone
     draft_tokens: int = 4
+    block: bool = False  # the drafter is DFlash's: one block of draft_tokens + 1 (the verified token first)
     cpus: frozenset[int] = frozenset()  # the cores it runs on; empty: eagleops' own
 
     def argv(self, port: int) -> list[str]:
         argv = [self.python, "-m", "sglang.launch_server", "--model-path", str(self.model), "--host", LOOPBACK, "--port", str(port)]
         argv += ["--tp-size", str(self.tensor_parallel_size), "--dp-size", str(self.data_parallel_size)]
-        if self.draft is not None:
+        if self.draft is not None and self.block:
+            argv += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(self.draft)]
+            argv += ["--speculative-num-draft-tokens", str(self.draft_tokens + 1)]
+        elif self.draft is not None:
             # a chain of draft_tokens drafts (top-1), verified with the bonus token: draft_tokens + 1
             argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(self.draft)]
             argv += ["--speculative-num-steps", str(self.draft_tokens), "--speculative-eagle-topk", "1"]

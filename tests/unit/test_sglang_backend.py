@@ -52,6 +52,8 @@ def test_sglang_backend_launches_eagle3_and_reads_its_meta_info(tmp_path):
         base_dir=tmp_path,
     )
     prompts = [[1, 2, 3], [7, 8]]
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
     [result] = evaluate_sglang(
         config, StageContext("eval"), [("held-out", 2, lambda decode: [decode(p) for p in prompts])], tmp_path / "drafter"
     )
@@ -63,3 +65,12 @@ def test_sglang_backend_launches_eagle3_and_reads_its_meta_info(tmp_path):
     assert spec[spec.index("--speculative-num-steps") + 1] == "4" and spec[spec.index("--speculative-num-draft-tokens") + 1] == "5"
     assert spec[spec.index("--tp-size") + 1] == "2"
     assert "--speculative-algorithm" not in json.loads((tmp_path / "fake_sglang.py.argv.plain").read_text())
+
+
+def test_sglang_serves_a_dflash_drafter_as_one_block(tmp_path):
+    """SGLang's DFLASH algorithm counts the block, verified token included (dflash_utils.py)."""
+    from eagleops.pipeline.servers.sglang import SglangLaunch
+
+    argv = SglangLaunch(python="py", model=tmp_path, draft=tmp_path / "d", draft_tokens=15, block=True).argv(1)
+    assert argv[argv.index("--speculative-algorithm") + 1] == "DFLASH"
+    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "16" and "--speculative-num-steps" not in argv

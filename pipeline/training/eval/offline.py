@@ -20,13 +20,14 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
-from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.config import BLOCK_DRAFTERS, RunConfig
 from eagleops.pipeline.training.artifacts import EvalResult, FeaturesIndex
 from eagleops.pipeline.training.context import StageContext
 from eagleops.pipeline.training.eval.acceptance import acceptance_from_steps
 from eagleops.pipeline.training.eval.benchmarks import Work
 from eagleops.pipeline.training.eval.decoding import CachedTarget, greedy_generate, speculative_generate
 from eagleops.pipeline.training.modeling.drafter import build_drafter, load_exported
+from eagleops.pipeline.training.modeling.drafter_config import drafting
 from eagleops.pipeline.training.modeling.profile import head_and_embeddings, target_profile
 from eagleops.pipeline.training.modeling.target import load_target, require_target
 
@@ -43,11 +44,12 @@ def evaluate_offline(
     aux_layers = FeaturesIndex.read(config.features_dir).capture.aux_layers  # the export's too: ``evaluate`` checked
     if untrained:
         drafter = build_drafter(config, aux_layers, seed=config.train.seed + 1)
+        k = config.train.block_size - 1 if config.train.drafter in BLOCK_DRAFTERS else config.eval.draft_tokens
     else:
-        _, embeddings = head_and_embeddings(target_profile(config))
-        drafter = load_exported(config.export_dir, embeddings)
+        _, k = drafting(config.layout.exported_config, config.eval.draft_tokens)
+        head, embeddings = head_and_embeddings(target_profile(config))
+        drafter = load_exported(config.export_dir, embeddings, head)
     drafter = drafter.to(device).eval()
-    k = config.eval.draft_tokens
     cached = CachedTarget(model, aux_layers, device)
     results = []
     for name, questions, run in work:

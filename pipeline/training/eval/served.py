@@ -24,6 +24,7 @@ from eagleops.pipeline.training.artifacts import EvalResult
 from eagleops.pipeline.training.context import StageContext, serving
 from eagleops.pipeline.training.eval.acceptance import Acceptance, acceptance_from_counts
 from eagleops.pipeline.training.eval.benchmarks import Decode, Work
+from eagleops.pipeline.training.modeling.drafter_config import drafting
 
 __all__ = ["DIFFERENCES", "evaluate_served", "evaluate_sglang", "write_differences"]
 
@@ -69,10 +70,12 @@ def _decode(config: RunConfig, ctx: StageContext, work: list[Work], spec: dict[s
 
 
 def evaluate_served(config: RunConfig, ctx: StageContext, work: list[Work], export_dir: Path) -> list[EvalResult]:
-    k = config.eval.draft_tokens
-    spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k}
+    method, k = drafting(export_dir / "config.json", config.eval.draft_tokens)
+    spec = {"method": method, "model": str(export_dir), "num_speculative_tokens": k}
     questions = sum(n for _, n, _ in work)
-    ctx.log("info", f"eval: vLLM with the drafter ({k} draft tokens), then without, over {questions} questions in {len(work)} sets")
+    ctx.log(
+        "info", f"eval: vLLM with the drafter ({method}, {k} draft tokens), then without, over {questions} questions in {len(work)} sets"
+    )
     speculative = _decode(config, ctx, work, spec)
     plain = _decode(config, ctx, work, None)
     write_differences(config.output_dir, work, speculative, plain)
@@ -99,7 +102,8 @@ def _sglang_decode(config: RunConfig, ctx: StageContext, work: list[Work], draft
         extra_args=serve.extra_args,
         env={key: str(value) for key, value in serve.env.items()},
         draft=draft,
-        draft_tokens=config.eval.draft_tokens,
+        draft_tokens=drafting(draft / "config.json", config.eval.draft_tokens)[1] if draft else config.eval.draft_tokens,
+        block=draft is not None and drafting(draft / "config.json", 0)[0] == "dflash",
         cpus=parse_cpu_list(serve.cpus),
     )
     name = "sglang-eval-speculative" if draft else "sglang-eval-plain"
@@ -121,7 +125,7 @@ def _sglang_decode(config: RunConfig, ctx: StageContext, work: list[Work], draft
 def evaluate_sglang(config: RunConfig, ctx: StageContext, work: list[Work], export_dir: Path) -> list[EvalResult]:
     """SGLang's acceptance length: generated tokens per verify step over each set (its per-request
     ``completion_tokens / spec_verify_ct``, summed). SGLang does not split it by draft position."""
-    k = config.eval.draft_tokens
+    _, k = drafting(export_dir / "config.json", config.eval.draft_tokens)
     ctx.log("info", f"eval: SGLang with the drafter ({k} draft tokens), then without, over {len(work)} sets")
     speculative = _sglang_decode(config, ctx, work, export_dir)
     plain = _sglang_decode(config, ctx, work, None)

@@ -25,10 +25,12 @@ from typing import Any
 
 import torch
 
-from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.config import BLOCK_DRAFTERS, RunConfig
 from eagleops.pipeline.training.artifacts import Checkpoint, ExportResult, features_capture
 from eagleops.pipeline.training.context import StageContext
 from eagleops.pipeline.training.export.speculators import speculators_config, speculators_dir, speculators_weights
+from eagleops.pipeline.training.modeling.dflash import EXPORTED_DFLASH_PREFIXES
+from eagleops.pipeline.training.modeling.dflash_config import is_dflash
 from eagleops.pipeline.training.modeling.drafter import EXPORTED_PREFIXES
 from eagleops.pipeline.training.modeling.drafter_config import drafter_kind, exported_config, serving_engines, sglang_unservable
 from eagleops.pipeline.training.modeling.profile import target_profile
@@ -70,8 +72,9 @@ def export(config: RunConfig, ctx: StageContext, *, dtype: torch.dtype = torch.b
     state = Checkpoint.load(checkpoint)
     _check_against_features(config, checkpoint, state)
     weights = {}
+    prefixes = EXPORTED_DFLASH_PREFIXES if is_dflash(state.drafter_config) else EXPORTED_PREFIXES
     for key, value in state.drafter.items():
-        if key.startswith(EXPORTED_PREFIXES) and not key.startswith("rotary"):
+        if key.startswith(prefixes) and not key.startswith("rotary"):
             weights[key] = value.to(dtype) if value.is_floating_point() else value.contiguous()
     server = exported_config(state.drafter_config, state.capture, str(dtype).removeprefix("torch."))
     note = legacy_engine_warning(server["rope_scaling"])
@@ -83,11 +86,12 @@ def export(config: RunConfig, ctx: StageContext, *, dtype: torch.dtype = torch.b
     if why := sglang_unservable(server):
         ctx.log("warning", f"export: not for SGLang: {why}")
     written = [out.name + "/"]
-    if kind.startswith("mla"):
-        # vLLM's speculators reader maps only Llama and Qwen3 layers to a drafter class: an MLA layer
-        # there would load as Llama attention, so no such directory is written (nor an old one kept)
+    if kind.startswith("mla") or kind in BLOCK_DRAFTERS:
+        # vLLM's speculators reader maps only Llama and Qwen3 layers to an EAGLE-3 drafter class: an
+        # MLA layer there would load as Llama attention, a DFlash drafter as EAGLE-3; so no such
+        # directory is written (nor an old one kept)
         shutil.rmtree(speculators_dir(config), ignore_errors=True)
-        ctx.log("info", f"export: no {speculators_dir(config).name}/ for a {kind} drafter (vLLM's speculators format has no MLA layer)")
+        ctx.log("info", f"export: no {speculators_dir(config).name}/ for a {kind} drafter (vLLM reads it as EAGLE-3)")
     else:
         _write_dir(
             speculators_dir(config),

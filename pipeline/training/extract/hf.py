@@ -94,7 +94,7 @@ def _compute_shard(
     offsets = [0]
     for ids, _ in chunk:
         offsets.append(offsets[-1] + len(ids))
-    aux_out = torch.empty((offsets[-1], 3 * index.hidden_size), dtype=torch.bfloat16)
+    aux_out = torch.empty((offsets[-1], len(index.aux_layers) * index.hidden_size), dtype=torch.bfloat16)
     final_out = torch.empty((offsets[-1], index.hidden_size), dtype=torch.bfloat16)
     done_before, total = progress
     for batch in length_batches([len(ids) for ids, _ in chunk], config.extract.batch_tokens):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from eagleops.pipeline.config import RunConfig
+from eagleops.pipeline.config import BLOCK_DRAFTERS, RunConfig
 from eagleops.pipeline.errors import ConfigError
 from eagleops.pipeline.training.artifacts import CaptureLayout, FeaturesIndex
-from eagleops.pipeline.training.modeling.layers import default_aux_layers
+from eagleops.pipeline.training.modeling.layers import default_aux_layers, dflash_aux_layers, drafter_layer_count
 
 __all__ = ["FeatureSet", "aux_layers_for_run", "capture_for_run", "feature_set_for_run"]
 
@@ -28,8 +28,14 @@ class FeatureSet(NamedTuple):
 
 
 def aux_layers_for_run(config: RunConfig, num_layers: int) -> tuple[int, ...]:
-    """The run file's ``extract.aux_layers``, else EAGLE-3's default for the target's depth."""
-    aux_layers = tuple(config.extract.aux_layers) if config.extract.aux_layers else default_aux_layers(num_layers)
+    """The run file's ``extract.aux_layers``, else the drafter's default for the target's depth:
+    EAGLE-3's three, or one per dflash layer."""
+    if config.extract.aux_layers:
+        aux_layers = tuple(config.extract.aux_layers)
+    elif config.train.drafter in BLOCK_DRAFTERS:
+        aux_layers = dflash_aux_layers(num_layers, drafter_layer_count(config.train))
+    else:
+        aux_layers = default_aux_layers(num_layers)
     if max(aux_layers) >= num_layers:
         raise ConfigError(f"{config.source}: extract.aux_layers {list(aux_layers)}: the target has only {num_layers} layers")
     return aux_layers

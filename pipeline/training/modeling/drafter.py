@@ -20,15 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eagleops.pipeline.config import RunConfig
 from eagleops.pipeline.errors import InputError
-from eagleops.pipeline.training.modeling.blocks import DraftCache, RMSNorm, rotate_halves
+from eagleops.pipeline.training.modeling.blocks import MLP, DraftCache, RMSNorm, rotate_halves
+from eagleops.pipeline.training.modeling.dflash import EXPORTED_DFLASH_PREFIXES, DFlashDrafter
+from eagleops.pipeline.training.modeling.dflash_config import is_dflash, mask_token
 from eagleops.pipeline.training.modeling.drafter_config import DrafterChoice, drafter_config_from_target
 from eagleops.pipeline.training.modeling.mla import MLAttention
 from eagleops.pipeline.training.modeling.profile import head_and_embeddings, target_config, target_profile
+from eagleops.pipeline.training.modeling.target import load_target_tokenizer, require_target
 from eagleops.pipeline.training.modeling.ttt_attention import flex_available, ttt_attention
 
 __all__ = ["EXPORTED_PREFIXES", "DraftCache", "DraftSession", "Eagle3Drafter", "build_drafter", "load_exported"]
@@ -76,17 +78,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MidLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -130,6 +121,11 @@ class Eagle3Drafter(nn.Module):
         self.rotary = LlamaRotaryEmbedding(config)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    def shard_units(self) -> tuple[nn.Module, ...]:
+        """The modules FSDP shards one by one (the frozen embeddings stay whole). EAGLE-3.1's
+        fc_norm is a ModuleList (no forward of its own): each norm is a unit."""
+        return (self.fc, *(self.fc_norm or ()), self.midlayer, self.norm, self.lm_head)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(d2t)
@@ -229,19 +225,22 @@ class DraftSession:
         return drafts
 
 
-def build_drafter(config: RunConfig, aux_layers: tuple[int, ...], *, seed: int) -> Eagle3Drafter:
-    """A fresh drafter for the target: its geometry, the prepared draft vocabulary, its frozen
-    embeddings."""
+def build_drafter(config: RunConfig, aux_layers: tuple[int, ...], *, seed: int) -> Eagle3Drafter | DFlashDrafter:
+    """A fresh drafter for the target: its geometry, the prepared draft vocabulary (EAGLE-3) or
+    the target's head and a mask token (dflash), its frozen embeddings."""
     from safetensors.torch import load_file
 
     profile = target_profile(config)
+    choice = DrafterChoice.from_train(config.train)
+    if choice.block:
+        return _build_dflash(config, profile, choice, aux_layers, seed)
     vocab = load_file(str(config.layout.draft_vocab))
     drafter_config = drafter_config_from_target(
         target_config(config),
         draft_vocab_size=len(vocab["d2t"]),
         aux_layers=aux_layers,
         vocab_size=profile.head_rows,
-        choice=DrafterChoice.from_train(config.train),
+        choice=choice,
     )
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(drafter_config)
@@ -252,21 +251,47 @@ def build_drafter(config: RunConfig, aux_layers: tuple[int, ...], *, seed: int) 
     return drafter
 
 
-def load_exported(directory: Path, embeddings: torch.Tensor) -> Eagle3Drafter:
-    """Rebuild a drafter from an export (as a server would), embeddings from the target."""
-    from safetensors.torch import load_file
-    from transformers import LlamaConfig
+def _build_dflash(config: RunConfig, profile: Any, choice: DrafterChoice, aux_layers: tuple[int, ...], seed: int) -> DFlashDrafter:
+    head, embed = head_and_embeddings(profile)
+    drafter_config = drafter_config_from_target(
+        target_config(config), draft_vocab_size=profile.head_rows, aux_layers=aux_layers, vocab_size=profile.head_rows, choice=choice,
+        mask_token_id=mask_token(load_target_tokenizer(require_target(config)), profile.head_rows),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(drafter_config)
+    drafter.set_target(embed, head)
+    return drafter
 
-    config = LlamaConfig.from_dict(json.loads((directory / "config.json").read_text()))
-    drafter = Eagle3Drafter(config)
+
+def load_exported(directory: Path, embeddings: torch.Tensor, head: torch.Tensor | None = None) -> Eagle3Drafter | DFlashDrafter:
+    """Rebuild a drafter from an export (as a server would), embeddings (and a dflash drafter's
+    head) from the target."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, Qwen3Config
+
+    payload = json.loads((directory / "config.json").read_text())
     weights = load_file(str(directory / "model.safetensors"))
-    unexpected = [k for k in weights if not k.startswith(EXPORTED_PREFIXES)]
+    if is_dflash(payload):
+        if head is None:
+            raise ValueError("a dflash drafter drafts with the target's head: pass it")
+        payload["aux_layers"] = payload["dflash_config"]["target_layer_ids"]
+        payload["mask_token_id"] = payload["dflash_config"]["mask_token_id"]
+        dflash = DFlashDrafter(Qwen3Config.from_dict(payload))
+        _load_exported_weights(directory, dflash, weights, EXPORTED_DFLASH_PREFIXES)
+        dflash.set_target(embeddings, head)
+        return dflash.eval()
+    drafter = Eagle3Drafter(LlamaConfig.from_dict(payload))
+    _load_exported_weights(directory, drafter, weights, EXPORTED_PREFIXES)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(embeddings.float())
+    return drafter.eval()
+
+
+def _load_exported_weights(directory: Path, drafter: nn.Module, weights: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> None:
+    unexpected = [k for k in weights if not k.startswith(prefixes)]
     if unexpected:
         raise InputError(f"{directory}: unexpected tensors {unexpected[:5]}")
     state: dict[str, Any] = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
     missing = [k for k in drafter.load_state_dict(state, strict=False).missing_keys if not k.startswith(("embed_tokens.", "rotary."))]
     if missing:
         raise InputError(f"{directory}: missing tensors {missing[:5]}")
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(embeddings.float())
-    return drafter.eval()

@@ -35,10 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagleops.pipeline.config import DRAFTERS, TrainConfig
+from eagleops.pipeline.config import BLOCK_DRAFTERS, DRAFTERS, TrainConfig
 from eagleops.pipeline.errors import ConfigError, InputError
 from eagleops.pipeline.training.artifacts import CaptureLayout
-from eagleops.pipeline.training.modeling.layers import engine_layer_ids, layers_from_engine_ids, layers_from_sglang_ids, sglang_layer_ids
+from eagleops.pipeline.training.modeling.dflash_config import dflash_config_from_target, exported_dflash_config, is_dflash
+from eagleops.pipeline.training.modeling.layers import (
+    drafter_layer_count,
+    engine_layer_ids,
+    layers_from_engine_ids,
+    layers_from_sglang_ids,
+    sglang_layer_ids,
+)
 from eagleops.pipeline.training.modeling.rope import engine_rope_scaling
 
 __all__ = [
@@ -47,6 +54,7 @@ __all__ = [
     "DrafterChoice",
     "drafter_config_from_target",
     "drafter_kind",
+    "drafting",
     "exported_capture",
     "exported_config",
     "geometry_mismatches",
@@ -63,11 +71,13 @@ MLA_MODEL_TYPE = "deepseek_v2"
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # what a resumed checkpoint must share with the drafter built now
 GEOMETRY_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "draft_vocab_size", "fc_norm", "norm_output", *MLA_KEYS)  # fmt: skip
+                 "draft_vocab_size", "fc_norm", "norm_output", "num_hidden_layers", "block_size", "mask_token_id",
+                 *MLA_KEYS)  # fmt: skip
 # The engines whose loaders read every kind as trained (their sources: vLLM 0.32/0.33
 # llama_eagle3.py and deepseek_eagle3.py; SGLang 0.5.23 llama_eagle3.py and kimi_k25_eagle3.py,
 # whose Eagle3DeepseekV2ForCausalLM is Kimi's MLA drafter): both read fc_norm and norm_output
 SERVING_ENGINES = ("sglang", "vllm")
+_ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters")  # what exported_config writes of the rope, every kind
 KV_HEADS_ON_MLA_TARGETS = 8  # SpecForge's DeepSeek-V3 drafter's
 
 
@@ -81,6 +91,8 @@ class DrafterChoice:
     head_dim: int = 0
     intermediate_size: int = 0
     kv_lora_rank: int = 0
+    layers: int = 1
+    block_size: int = 16  # dflash's
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFTERS:
@@ -89,11 +101,16 @@ class DrafterChoice:
     @classmethod
     def from_train(cls, train: TrainConfig) -> DrafterChoice:
         return cls(train.drafter, train.drafter_heads, train.drafter_kv_heads, train.drafter_head_dim,
-                   train.drafter_intermediate_size, train.drafter_kv_lora_rank)  # fmt: skip
+                   train.drafter_intermediate_size, train.drafter_kv_lora_rank, drafter_layer_count(train),
+                   train.block_size)  # fmt: skip
 
     @property
     def mla(self) -> bool:
         return self.kind.startswith("mla")
+
+    @property
+    def block(self) -> bool:
+        return self.kind in BLOCK_DRAFTERS
 
     @property
     def eagle31(self) -> bool:
@@ -173,6 +190,8 @@ def drafter_kind(config: dict[str, Any]) -> str:
     the keys the engines read."""
     if config.get("drafter") in DRAFTERS:
         return str(config["drafter"])
+    if is_dflash(config):
+        return "dflash"
     attention = "mla" if config.get("kv_lora_rank") is not None else "eagle3"
     if config.get("fc_norm") and config.get("norm_output"):
         return "mla3.1" if attention == "mla" else "eagle3.1"
@@ -187,6 +206,8 @@ def serving_engines(config: dict[str, Any]) -> tuple[str, ...]:
 
 def sglang_unservable(config: dict[str, Any]) -> str | None:
     """Why SGLang would capture other layers than the drafter was trained on; None if it would not."""
+    if is_dflash(config):  # its target_layer_ids: every target's layer i's output, as vLLM's
+        return None
     layers, architecture = _aux_layers(config), config.get("target_architecture")
     if sglang_layer_ids(layers, architecture) is not None:
         return None
@@ -206,12 +227,14 @@ def drafter_config_from_target(
     aux_layers: Sequence[int],
     vocab_size: int | None = None,
     choice: DrafterChoice | None = None,
+    mask_token_id: int | None = None,
 ) -> Any:
     """A LlamaConfig for the drafter: one layer, the draft vocab, the attention ``choice`` asks
     for (the module docstring says how each size is chosen). ``vocab_size``: the target head's
     rows (``head_rows``), which prepare sized t2d by; the config's own ``vocab_size`` where not
     given. An MLA drafter's config carries MLA's keys beside Llama's (``head_dim`` is then the
-    rotary width, as DeepSeek's configs have it)."""
+    rotary width, as DeepSeek's configs have it). A dflash drafter's is a Qwen3Config
+    (``dflash_config``) with Llama attention's sizes; ``mask_token_id``: its block's mask."""
     from transformers import LlamaConfig
 
     choice = choice or DrafterChoice()
@@ -220,6 +243,17 @@ def drafter_config_from_target(
     rope = dict(getattr(text, "rope_parameters", None) or {})
     if choice.mla and not _is_mla(text):
         rope = {"rope_type": "default", "rope_theta": rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))}
+    if rope:  # refused here, before a training whose drafter no engine would serve as trained
+        engine_rope_scaling({k: v for k, v in rope.items() if k != "rope_theta"})
+    architecture = (getattr(target_config, "architectures", None) or [None])[0]
+    if choice.block:
+        if mask_token_id is None:
+            raise ValueError("a dflash drafter needs its mask token id")
+        return dflash_config_from_target(
+            text, attention, aux_layers=aux_layers, vocab_size=vocab_size if vocab_size is not None else text.vocab_size,
+            layers=choice.layers, block_size=choice.block_size, mask_token_id=mask_token_id,
+            intermediate_size=choice.intermediate_size or text.intermediate_size, rope=rope, target_architecture=architecture,
+        )  # fmt: skip
     config = LlamaConfig(
         vocab_size=vocab_size if vocab_size is not None else text.vocab_size,
         hidden_size=text.hidden_size,
@@ -242,9 +276,6 @@ def drafter_config_from_target(
         config.fc_norm, config.norm_output = True, True
     if rope:
         config.rope_parameters = dict(rope)
-        # refused here too, before a training whose drafter no engine would serve as trained
-        engine_rope_scaling({k: v for k, v in rope.items() if k != "rope_theta"})
-    architecture = (getattr(target_config, "architectures", None) or [None])[0]
     config.architectures = [ARCHITECTURE]
     config.draft_vocab_size = draft_vocab_size
     config.target_hidden_size = text.hidden_size
@@ -271,6 +302,8 @@ def exported_config(drafter_config: dict[str, Any], capture: CaptureLayout, dtyp
     payload["rope_scaling"] = exported
     payload["rope_parameters"] = {**(exported or {"rope_type": "default"}), "rope_theta": payload["rope_theta"]}
     kind = drafter_kind(payload)
+    if kind in BLOCK_DRAFTERS:
+        return exported_dflash_config(drafter_config, capture.aux_layers, dtype, {key: payload[key] for key in _ROPE_FIELDS})
     payload.pop("aux_layers", None)  # one numbering in the file: the engines'
     payload.pop("drafter", None)
     payload.update(_engine_layer_fields(capture.aux_layers, drafter_config.get("target_architecture")))
@@ -285,6 +318,8 @@ def exported_capture(config_file: Path) -> CaptureLayout:
     must name the same layers."""
     try:
         payload = json.loads(config_file.read_text())
+        if is_dflash(payload):
+            return CaptureLayout(tuple(int(i) for i in payload["dflash_config"]["target_layer_ids"]), int(payload["target_hidden_size"]))
         sglang = layers_from_sglang_ids(payload["eagle_config"]["eagle_aux_hidden_state_layer_ids"], payload.get("target_architecture"))
         payload.setdefault("eagle_aux_hidden_state_layer_ids", engine_layer_ids(sglang, "vllm"))
         vllm, hidden_size = _aux_layers(payload), int(payload["target_hidden_size"])
@@ -296,3 +331,13 @@ def exported_capture(config_file: Path) -> CaptureLayout:
     if sglang_reads and sglang != vllm:
         raise InputError(f"{config_file}: eagle_config names layers {list(sglang)} but eagle_aux_hidden_state_layer_ids {list(vllm)}")
     return CaptureLayout(vllm, hidden_size)
+
+
+def drafting(config_file: Path, chain_tokens: int) -> tuple[str, int]:
+    """(vLLM's speculative method, drafts per verify step) for the drafter exported at
+    ``config_file``: an EAGLE-3 chain drafts ``chain_tokens`` (``[eval] draft_tokens``), a dflash
+    drafter its whole block after the verified token (``block_size - 1``, what it trained for)."""
+    payload = json.loads(config_file.read_text())
+    if is_dflash(payload):
+        return "dflash", int(payload["dflash_config"].get("block_size", payload.get("block_size", 16))) - 1
+    return "eagle3", chain_tokens

@@ -21,12 +21,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+from eagleops.pipeline.config import BLOCK_DRAFTERS, TrainConfig
 from eagleops.pipeline.errors import InputError
 
 __all__ = [
     "SGLANG_VERBATIM_TARGETS",
     "Engine",
     "default_aux_layers",
+    "dflash_aux_layers",
+    "drafter_layer_count",
     "engine_layer_ids",
     "layers_from_engine_ids",
     "layers_from_sglang_ids",
@@ -60,6 +63,29 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
         if len(spread) < 3:
             raise InputError(f"a target with {num_layers} layers is too shallow for three auxiliary layers")
         layers = (spread[0], spread[1], spread[2])
+    return layers
+
+
+DFLASH_LAYERS = 5  # z-lab's and SpecForge's published DFlash drafters (Qwen3-4B/8B, gpt-oss) have five
+
+
+def drafter_layer_count(train: TrainConfig) -> int:
+    """The drafter's decoder layers: ``train.drafter_layers``, else one (EAGLE-3) or DFlash's five."""
+    if train.drafter_layers:
+        return train.drafter_layers
+    return DFLASH_LAYERS if train.drafter in BLOCK_DRAFTERS else 1
+
+
+def dflash_aux_layers(num_layers: int, count: int) -> tuple[int, ...]:
+    """One layer per dflash drafter layer, spread evenly over outputs 1..N-3 (the middle one for
+    a single layer), as z-lab's DFlash, SpecForge and SGLang's ``build_target_layer_ids`` pick
+    them (Qwen3-8B, 36 layers, 5: [1, 9, 17, 25, 33])."""
+    if count == 1:
+        return (num_layers // 2,)
+    start, end = 1, num_layers - 3
+    layers = tuple(int(round(start + i * (end - start) / (count - 1))) for i in range(count))
+    if len(set(layers)) < count or min(layers) < 0 or max(layers) >= num_layers:
+        raise InputError(f"a target with {num_layers} layers is too shallow for {count} distinct dflash layers: set extract.aux_layers")
     return layers
 
 

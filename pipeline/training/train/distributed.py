@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eagleops.pipeline.training.modeling.dflash import DFlashDrafter
 from eagleops.pipeline.training.modeling.drafter import Eagle3Drafter
 
 __all__ = ["full_state", "init_distributed", "load_full_state", "parallelize"]
@@ -25,18 +26,19 @@ def init_distributed() -> tuple[int, int]:
     return rank, world
 
 
-def _fully_shard(drafter: Eagle3Drafter) -> None:
+def _fully_shard(drafter: Eagle3Drafter | DFlashDrafter) -> None:
     """FSDP2 over the drafter's trainable modules, each its own unit; the frozen embeddings stay
     whole on every rank. Units stay gathered through a step's forward: the mid layer runs once
     per TTT step, and gathering it seven times would cost seven all-gathers for nothing."""
     from torch.distributed.fsdp import fully_shard
 
-    # EAGLE-3.1's fc_norm is a ModuleList (no forward of its own): each norm is a unit
-    for module in (drafter.fc, *(drafter.fc_norm or ()), drafter.midlayer, drafter.norm, drafter.lm_head):
+    for module in drafter.shard_units():
         fully_shard(module, reshard_after_forward=False)
 
 
-def parallelize(objective: nn.Module, drafter: Eagle3Drafter, device: torch.device, *, world: int, sharded: bool) -> nn.Module:
+def parallelize(
+    objective: nn.Module, drafter: Eagle3Drafter | DFlashDrafter, device: torch.device, *, world: int, sharded: bool
+) -> nn.Module:
     """What the training step calls: the objective itself (one process, or FSDP, which shards the
     drafter in place), or the objective under DDP."""
     if sharded:
@@ -47,7 +49,7 @@ def parallelize(objective: nn.Module, drafter: Eagle3Drafter, device: torch.devi
     return objective
 
 
-def full_state(drafter: Eagle3Drafter, optimizer: Any, *, sharded: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def full_state(drafter: Eagle3Drafter | DFlashDrafter, optimizer: Any, *, sharded: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimiser) state dicts whole. Sharded, gathering is collective: every rank calls
     this, and the whole state lands on the CPU of each."""
     if not sharded:
@@ -59,7 +61,7 @@ def full_state(drafter: Eagle3Drafter, optimizer: Any, *, sharded: bool) -> tupl
 
 
 def load_full_state(
-    drafter: Eagle3Drafter, optimizer: Any, model_state: dict[str, Any], optimizer_state: dict[str, Any], *, sharded: bool
+    drafter: Eagle3Drafter | DFlashDrafter, optimizer: Any, model_state: dict[str, Any], optimizer_state: dict[str, Any], *, sharded: bool
 ) -> None:
     """Whole state dicts into the drafter and optimiser; sharded, each rank keeps its own shard."""
     if not sharded:

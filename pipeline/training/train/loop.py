@@ -26,11 +26,13 @@ from eagleops.pipeline.training.context import StageContext, StageKilled
 from eagleops.pipeline.training.features.cache import release_consumed, result_when_stalled, windowed_order
 from eagleops.pipeline.training.features.layout import FeatureSet, feature_set_for_run
 from eagleops.pipeline.training.features.reader import FeatureShards
+from eagleops.pipeline.training.modeling.dflash import DFlashDrafter
 from eagleops.pipeline.training.modeling.drafter import build_drafter
 from eagleops.pipeline.training.modeling.drafter_config import geometry_mismatches
 from eagleops.pipeline.training.modeling.profile import head_and_embeddings, target_profile
 from eagleops.pipeline.training.modeling.target import pick_device, require_target
 from eagleops.pipeline.training.tracking import Trackers
+from eagleops.pipeline.training.train.block_loss import BlockObjective
 from eagleops.pipeline.training.train.checkpoints import checkpoint_to_resume, write_checkpoint
 from eagleops.pipeline.training.train.data import collate, shuffled_order
 from eagleops.pipeline.training.train.distributed import full_state, init_distributed, load_full_state, parallelize
@@ -66,14 +68,14 @@ class _Trainer:
         )
         self.capture = self.features.capture  # what extract wrote: the drafter reads these layers
         self.drafter = build_drafter(config, self.capture.aux_layers, seed=self.tc.seed).to(device)
-        head, _ = head_and_embeddings(target_profile(config))
-        objective = Eagle3Objective(
-            self.drafter,
-            head.float().to(device),
-            ttt_length=self.tc.ttt_length,
-            step_weight=self.tc.step_weight,
-            head_chunk=self.tc.head_chunk,
-        )
+        objective: nn.Module
+        if isinstance(self.drafter, DFlashDrafter):  # its head is the target's, a buffer of its own
+            objective = BlockObjective(self.drafter, anchors=self.tc.anchors, block_decay=self.tc.block_decay, seed=self.tc.seed,
+                                       rank=self.rank, head_chunk=self.tc.head_chunk)  # fmt: skip
+        else:
+            head, _ = head_and_embeddings(target_profile(config))
+            objective = Eagle3Objective(self.drafter, head.float().to(device), ttt_length=self.tc.ttt_length,
+                                        step_weight=self.tc.step_weight, head_chunk=self.tc.head_chunk)  # fmt: skip
         self.sharded = self.world > 1 and self.tc.parallel == "fsdp"
         self.model: nn.Module = parallelize(objective, self.drafter, device, world=self.world, sharded=self.sharded)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -157,13 +159,14 @@ class _Trainer:
             self.features.wait_for(self.plan.last_of_step(order, in_epoch))
         chunk = self.plan.batch(order, in_epoch, self.rank)
         batch = collate([self.features[i] for i in chunk], torch.device("cpu"), torch.float32)
+        batch["step"] = torch.tensor(at)  # what a step draws at random (dflash's anchors) is a function of it
         return {k: v.pin_memory() for k, v in batch.items()} if self.device.type == "cuda" else batch
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
         epoch, _ = self.plan.position(self.step)
         with autocast:
-            loss, losses, accs = self.model(batch)
+            loss, losses, accs, *more = self.model(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.tc.max_grad_norm)
@@ -171,7 +174,8 @@ class _Trainer:
         self.scheduler.step()
         self.step += 1
         return {"step": self.step, "epoch": epoch, "loss": float(loss.detach()), "lr": self.scheduler.get_last_lr()[0],
-                "step_loss": [round(float(x), 6) for x in losses], "acc": [round(float(x), 4) for x in accs]}  # fmt: skip
+                "step_loss": [round(float(x), 6) for x in losses], "acc": [round(float(x), 4) for x in accs],
+                **(more[0] if more else {})}  # fmt: skip
 
     def run(self) -> TrainResult:
         # One batch is read and collated ahead in a thread while the current one trains, so the
@@ -222,7 +226,7 @@ class _Trainer:
         return TrainResult(
             steps=self.step,
             final_loss=sum(r["loss"] for r in tail) / len(tail) if tail else None,
-            acc=[round(sum(r["acc"][i] for r in tail) / len(tail), 4) for i in range(self.tc.ttt_length)] if tail else [],
+            acc=[round(sum(r["acc"][i] for r in tail) / len(tail), 4) for i in range(len(tail[-1]["acc"]))] if tail else [],
             steps_per_s=round((self.step - first_step) / elapsed, 2) if elapsed > 0 else None,
             world_size=self.world,
         )

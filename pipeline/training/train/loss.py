@@ -17,7 +17,7 @@ from torch import nn
 
 from eagleops.pipeline.training.modeling.drafter import DraftCache, Eagle3Drafter
 
-__all__ = ["Eagle3Objective", "target_top_and_draft_probs"]
+__all__ = ["Eagle3Objective", "target_top", "target_top_and_draft_probs"]
 
 
 def target_top_and_draft_probs(
@@ -28,6 +28,12 @@ def target_top_and_draft_probs(
     is found ``chunk`` vocabulary rows at a time, so a 160k vocabulary never holds [B, T, V]
     logits at once. Ties go to the lowest id, as argmax over the whole vocabulary does."""
     probs = torch.softmax((final @ draft_head.to(final.dtype).T).float(), dim=-1)
+    return target_top(final, head, chunk), probs
+
+
+def target_top(final: torch.Tensor, head: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The target's top-1 token id after each of ``final``'s states, over its whole vocabulary,
+    ``chunk`` head rows at a time (0: all at once)."""
     vocab = head.shape[0]
     step = vocab if chunk <= 0 else chunk
     best_value: torch.Tensor | None = None
@@ -40,7 +46,7 @@ def target_top_and_draft_probs(
         better = value > best_value  # strictly: an equal value in a later chunk loses, as in argmax
         best_value = torch.where(better, value, best_value)
         best_index = torch.where(better, index + start, best_index)
-    return best_index, probs
+    return best_index
 
 
 class Eagle3Objective(nn.Module):
