@@ -248,18 +248,30 @@ def real(args: argparse.Namespace) -> None:
         path = _real_run_file(generate, args, ["generate"], {}, "vllm")
         print(f"# generate: {_timed_cli('run', str(path), '--no-tui'):.0f} s", file=sys.stderr, flush=True)
     results = {}
+    if (base / "results.jsonl").exists():  # kinds measured by an earlier invocation are not measured again
+        for line in (base / "results.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            results[row.pop("kind")] = row
     kinds = [k for k in args.kinds if k in REAL_TRAIN] + (["dflash@time"] if "dflash" in args.kinds and "eagle3" in args.kinds else [])
+    if args.dflash_step_s:  # the rate is known already: the equal-time run first
+        kinds.sort(key=lambda kind: kind != "dflash@time")
     for kind in kinds:
+        if kind in results:
+            continue
         folder = base / kind
         train = dict(REAL_TRAIN[kind.split("@")[0]], drafter=kind.split("@")[0])
         if kind == "dflash@time":  # as many steps as eagle3's training time buys at dflash's measured rate
-            per_step = results["dflash"]["train_s"] / results["dflash"]["steps"]
-            train["max_steps"] = max(1, round(results["eagle3"]["train_s"] / per_step))
+            per_step = args.dflash_step_s or results["dflash"]["train_s"] / results["dflash"]["steps"]
+            train["max_steps"] = max(1, int(results["eagle3"]["train_s"] / per_step))
             for reuse in ("prepared", "features"):
                 shutil.copytree(base / "dflash" / "out" / reuse, folder / "out" / reuse, dirs_exist_ok=True)
         shutil.copytree(generate / "out" / "sharegpt", folder / "out" / "sharegpt", dirs_exist_ok=True)
         offline = _real_run_file(folder, args, ["prepare", "extract", "train", "export", "eval"], train, "hf")
         served = _real_run_file(folder, args, ["prepare", "extract", "train", "export", "eval"], train, "vllm")
+        same_layers = base / "eagle3" if kind == "eagle3.1" and (base / "eagle3" / "out" / "features").exists() else None
+        if same_layers is not None:  # the same three layers: eagle3's features, not a second extract
+            for reuse in ("prepared", "features"):
+                shutil.copytree(same_layers / "out" / reuse, folder / "out" / reuse, dirs_exist_ok=True)
         if kind != "dflash@time":
             for stage in ("prepare", "extract"):
                 _cli(stage, str(offline), "--no-tui")
@@ -281,7 +293,7 @@ def real(args: argparse.Namespace) -> None:
         }  # fmt: skip
         print(f"# {kind}: {json.dumps(results[kind])}", file=sys.stderr, flush=True)
         with open(base / "results.jsonl", "a") as f:
-            f.write(json.dumps({"kind": kind, "load": os.getloadavg(), **results[kind]}) + "\n")
+            f.write(json.dumps({"kind": kind, **results[kind], "load": os.getloadavg()}) + "\n")
     _real_table(results)
 
 
@@ -306,6 +318,9 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=1024, help="--real: [prepare] max_length")
     parser.add_argument("--prompts", type=int, default=10, help="--real: per benchmark and held out")
     parser.add_argument("--new-tokens", type=int, default=96, help="--real: per answer in eval")
+    parser.add_argument(
+        "--dflash-step-s", type=float, default=0.0, help="--real: dflash's seconds a step, measured (its epoch is then run last)"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="a folder to reuse (targets made there if absent)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--targets", nargs="+", default=list(TARGETS[:4]), choices=TARGETS)

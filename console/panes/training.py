@@ -72,8 +72,13 @@ def _train_lines(state: ConsoleState, width: int, height: int, now: float) -> li
         parts.insert(1, saved)  # after the loss: what a crash would cost
         lines.append(join_fitting("", parts, width))
     acc = train.get("acc") or []
-    if acc:
-        lines.append("accuracy by draft position  " + " ".join(f"{a:.2f}" for a in acc))
+    if acc:  # a block drafter has a position per slot (15 at block 16): as many as fit, from the first
+        head = "accuracy by draft position "
+        fit = max(1, (width - len(head)) // 5)
+        shown = acc if fit >= len(acc) else acc[: max(1, (width - len(head) - 4) // 5)]
+        lines.append(head + " ".join(f"{a:.2f}" for a in shown) + (" ..." if len(shown) < len(acc) else ""))
+    if "block_acceptance" in train:  # dflash: what verifying its training blocks would accept, bonus token included
+        lines.append(f"acceptance per training block {train['block_acceptance']:.2f}")
     history = list(state.train_loss)
     room = height - len(lines)
     if history and room >= 3:  # a plot of the loss over steps, as tall as there is room (up to 8 rows)

@@ -391,7 +391,7 @@ def test_the_gpu_check_runs_here_on_a_cpu_at_tiny_size():
 
 
 @pytest.mark.timeout(900)  # several torchrun jobs: a loaded 2-core machine runs them 4x slower
-@pytest.mark.parametrize("drafter", ["eagle3", "mla3.1"])  # Llama attention; MLA with EAGLE-3.1's fc_norm units
+@pytest.mark.parametrize("drafter", ["eagle3", "mla3.1", "dflash"])  # Llama attention; MLA with EAGLE-3.1's fc_norm units; DFlash's layers
 def test_fsdp_two_processes_match_ddp_and_resume_on_the_same_curve(workdir, tiny_model, tmp_path_factory, drafter):
     import signal
     import time

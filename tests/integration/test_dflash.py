@@ -76,7 +76,14 @@ def test_the_training_forward_computes_what_the_engines_inference_computes():
     blocks = drafter.blocks
     drafter.blocks = lambda *a: seen.append((a[1], a[2], blocks(*a))) or seen[-1][2]  # type: ignore[method-assign]
     objective = BlockObjective(drafter, anchors=100, block_decay=7.0, seed=0, rank=0, head_chunk=0)
-    batch = {"input_ids": ids, "aux": aux, "final": torch.randn(1, t, 32), "loss_mask": loss_mask, "lengths": torch.tensor([t]), "step": torch.tensor(0)}
+    batch = {
+        "input_ids": ids,
+        "aux": aux,
+        "final": torch.randn(1, t, 32),
+        "loss_mask": loss_mask,
+        "lengths": torch.tensor([t]),
+        "step": torch.tensor(0),
+    }
     objective(batch)
     drafter.blocks = blocks  # type: ignore[method-assign]
     tokens, positions, out = torch.cat([s[0] for s in seen], 1), torch.cat([s[1] for s in seen], 1), torch.cat([s[2] for s in seen], 1)
@@ -88,7 +95,9 @@ def test_the_training_forward_computes_what_the_engines_inference_computes():
         session.extend(aux[:, :anchor], [int(ids[0, anchor])])
         expected = out[0, 4 * i + 1 : 4 * i + 4]
         with torch.no_grad():
-            got = drafter.blocks(list(zip(session.keys, session.values)), tokens[:, 4 * i : 4 * i + 4], positions[:, 4 * i : 4 * i + 4], None)
+            got = drafter.blocks(
+                list(zip(session.keys, session.values)), tokens[:, 4 * i : 4 * i + 4], positions[:, 4 * i : 4 * i + 4], None
+            )
         torch.testing.assert_close(got[0, 1:], expected, rtol=1e-4, atol=1e-5)
         assert session.propose(3) == (expected @ drafter.lm_head.T).argmax(-1).tolist()
 
@@ -105,12 +114,17 @@ def test_anchors_are_reply_tokens_drawn_alike_for_a_step_and_the_loss_weighs_slo
     for row in range(2):
         chosen = anchors[row][real[row]].tolist()
         assert chosen == sorted(chosen) and set(chosen) <= valid[row] and len(chosen) == min(3, len(valid[row]))
-    weights = BlockObjective(_drafter(block_size=5), anchors=4, block_decay=7.0, seed=0, rank=0, head_chunk=0).slot_weights(torch.device("cpu"))
+    weights = BlockObjective(_drafter(block_size=5), anchors=4, block_decay=7.0, seed=0, rank=0, head_chunk=0).slot_weights(
+        torch.device("cpu")
+    )
     assert weights.tolist() == pytest.approx([0.0, 1.0, math.exp(-1 / 7), math.exp(-2 / 7), math.exp(-3 / 7)])
 
 
 def test_the_run_file_says_what_each_drafter_reads(tmp_path):
-    base = {"endpoints": [{"base_url": "http://127.0.0.1:9/v1", "model": "m"}], "datasets": [{"name": "a", "path": "a.jsonl", "token_budget": 1}]}
+    base = {
+        "endpoints": [{"base_url": "http://127.0.0.1:9/v1", "model": "m"}],
+        "datasets": [{"name": "a", "path": "a.jsonl", "token_budget": 1}],
+    }
 
     def parse(**sections):
         return parse_run({**base, **sections}, origin=str(tmp_path / "run.toml"), base_dir=tmp_path)
@@ -148,6 +162,9 @@ def test_a_dflash_drafter_trains_resumes_exports_and_evaluates(tmp_path, zoo_mod
     other = zoo_run_config(tmp_path, target, {**sections, "train": {**more, "block_size": 8, "epochs": 3}})
     with pytest.raises(ConfigError, match=r"trained as another drafter .*block_size 4 -> 8"):
         run_stage(other, "train")
+    eagle = zoo_run_config(tmp_path, target, {**sections, "train": {**more, "drafter": "eagle3", "drafter_layers": 0}})
+    with pytest.raises(ConfigError, match=r"the features hold layers \[\d+, \d+\] .*an EAGLE-3 drafter \(eagle3\) reads three"):
+        run_stage(eagle, "train")
     run_stage(config, "export")
     exported = json.loads((config.export_dir / "config.json").read_text())
     with safe_open(str(config.export_dir / "model.safetensors"), "pt") as f:
@@ -162,3 +179,15 @@ def test_a_dflash_drafter_trains_resumes_exports_and_evaluates(tmp_path, zoo_mod
     assert not config.export_dir.with_name(config.export_dir.name + "-speculators").exists()
     result = run_stage(config, "eval")  # offline: the export loaded back as a server would, drafting its block
     assert result.draft_tokens == 3 and result.verify_steps > 0 and result.acceptance_length >= 1.0
+
+
+def test_the_console_shows_a_blocks_positions_within_80_columns():
+    from eagleops.console.panes.training import _train_lines
+    from eagleops.console.state import ConsoleState
+
+    state = ConsoleState()
+    state.stage_metrics["train"] = {"loss": 3.2, "lr": 1e-3, "acc": [0.61, *[0.5] * 14], "block_acceptance": 1.83}
+    lines = _train_lines(state, 78, 20, 0.0)  # the training pane's width at 80x24
+    assert all(len(line) <= 78 for line in lines)
+    assert lines[1].startswith("accuracy by draft position 0.61 0.50") and lines[1].endswith(" ...")
+    assert "acceptance per training block 1.83" in lines

@@ -73,7 +73,11 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, context, mask):
+    def forward(self, x, cos, sin, context=None, mask=None):
+        """The block ``x`` through the layer; called on the context alone (``context`` None), the
+        context's keys and values in this layer (through ``forward``, so FSDP gathers the layer)."""
+        if context is None:
+            return self.self_attn.keys_values(x, cos, sin)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, context, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -115,11 +119,7 @@ class DFlashDrafter(nn.Module):
         ``positions`` [B, S]: the context a block attends to."""
         hidden = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
         cos, sin = self.rope(hidden, positions)
-        return [layer.self_attn.keys_values(hidden, cos, sin) for layer in self.decoder_layers]
-
-    @property
-    def decoder_layers(self) -> list[DFlashLayer]:
-        return list(self.layers)  # type: ignore[arg-type]  # a ModuleList of DFlashLayer
+        return [layer(hidden, cos, sin) for layer in self.layers]
 
     def blocks(self, context, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The normed output [B, Q, H] of blocks ``tokens`` [B, Q] at ``positions`` [B, Q]."""

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from eagleops.pipeline.config import RunConfig
-from eagleops.pipeline.errors import InputError
+from eagleops.pipeline.errors import ConfigError, InputError
 from eagleops.pipeline.training.modeling.blocks import MLP, DraftCache, RMSNorm, rotate_halves
 from eagleops.pipeline.training.modeling.dflash import EXPORTED_DFLASH_PREFIXES, DFlashDrafter
 from eagleops.pipeline.training.modeling.dflash_config import is_dflash, mask_token
@@ -234,6 +234,11 @@ def build_drafter(config: RunConfig, aux_layers: tuple[int, ...], *, seed: int) 
     choice = DrafterChoice.from_train(config.train)
     if choice.block:
         return _build_dflash(config, profile, choice, aux_layers, seed)
+    if len(aux_layers) != 3:
+        raise ConfigError(
+            f"{config.source}: the features hold layers {list(aux_layers)} (a dflash drafter's); an EAGLE-3 drafter "
+            f"({choice.kind}) reads three: run extract again (it captures them for this drafter)"
+        )
     vocab = load_file(str(config.layout.draft_vocab))
     drafter_config = drafter_config_from_target(
         target_config(config),
