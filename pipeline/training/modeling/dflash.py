@@ -58,10 +58,7 @@ class DFlashAttention(nn.Module):
         q = rotate_halves(q, cos.unsqueeze(1), sin.unsqueeze(1))
         k, v = self.keys_values(x, cos, sin)
         keys, values = torch.cat((context[0], k), dim=2), torch.cat((context[1], v), dim=2)
-        if self.kv_heads != self.heads:
-            keys = keys.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            values = values.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.heads * self.head_dim))
 
 

@@ -71,7 +71,7 @@ def dflash_config_from_target(
         num_attention_heads=attention["num_attention_heads"],
         num_key_value_heads=attention["num_key_value_heads"],
         head_dim=attention["head_dim"],
-        hidden_act=getattr(text, "hidden_act", "silu"),
+        hidden_act="silu",  # our MLP's (blocks.MLP), whatever the target's: vLLM's Qwen2MLP takes no other
         max_position_embeddings=text.max_position_embeddings,
         rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
         attention_bias=False,

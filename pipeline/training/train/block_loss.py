@@ -14,8 +14,9 @@ entropy weighs ``exp(-(k-1)/block_decay)`` (SpecForge's recipe: 7), normalised b
 sum. Anchors are a pure function of (seed, step, rank): a resumed run draws the same ones.
 
 Blocks are computed a group of anchors at a time, so the attention's scores never hold every
-block against the whole context at once (there is no flex_attention on a CPU); the logits over
-the target's whole vocabulary are computed in row chunks and recomputed in backward.
+block against the whole context at once (there is no flex_attention on a CPU), and each group is
+recomputed in backward rather than kept; the logits over the target's whole vocabulary are
+computed in row chunks, recomputed in backward too.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class BlockObjective(nn.Module):
         counts = ok.sum((0, 1)).clamp(min=1)
         losses = [(ce_sum[k] / counts[k]).detach() for k in range(1, bs)]
         accuracies = [(correct[..., k] & ok[..., k]).sum() / counts[k] for k in range(1, bs)]
-        matched = (correct | ~ok)[..., 1:].to(torch.int64).cumprod(-1) * ok[..., 1:]  # stops at the first wrong draft
+        matched = (correct & ok)[..., 1:].to(torch.int64).cumprod(-1)  # stops at the first wrong draft, or the first unlearnable slot
         acceptance = float((1 + matched.sum(-1))[real].float().mean()) if bool(real.any()) else math.nan
         return total, losses, accuracies, {"block_acceptance": round(acceptance, 4)}
 
@@ -140,7 +141,9 @@ class BlockObjective(nn.Module):
         same_block = (block_of[:, None] == block_of[None, :])[None].expand(b, -1, -1)
         mask = torch.cat((sees_context, same_block), dim=-1)[:, None]  # [B, 1, G·bs, keys + G·bs]
         positions = (group[..., None] + torch.arange(bs, device=device)).view(b, -1)
-        out = d.blocks([(k[:, :, :keys], v[:, :, :keys]) for k, v in context], tokens[:, start:stop].reshape(b, -1), positions, mask)
+        # recomputed in backward: every group's activations kept at once would grow with the sample
+        out = checkpoint(d.blocks, [(k[:, :, :keys], v[:, :, :keys]) for k, v in context], tokens[:, start:stop].reshape(b, -1),
+                         positions, mask, use_reentrant=False)  # fmt: skip
         rows = ok[:, start:stop].reshape(b, -1).nonzero()
         if not len(rows):
             return out.sum() * 0.0
