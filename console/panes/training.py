@@ -73,7 +73,7 @@ def _train_lines(state: ConsoleState, width: int, height: int, now: float) -> li
         lines.append(join_fitting("", parts, width))
     acc = train.get("acc") or []
     if acc:  # a block drafter has a position per slot (15 at block 16): as many as fit, from the first
-        head = "accuracy by draft position "
+        head = "accuracy by draft position  "  # two spaces, then the figures
         fit = max(1, (width - len(head)) // 5)
         shown = acc if fit >= len(acc) else acc[: max(1, (width - len(head) - 4) // 5)]
         lines.append(head + " ".join(f"{a:.2f}" for a in shown) + (" ..." if len(shown) < len(acc) else ""))

@@ -189,5 +189,5 @@ def test_the_console_shows_a_blocks_positions_within_80_columns():
     state.stage_metrics["train"] = {"loss": 3.2, "lr": 1e-3, "acc": [0.61, *[0.5] * 14], "block_acceptance": 1.83}
     lines = _train_lines(state, 78, 20, 0.0)  # the training pane's width at 80x24
     assert all(len(line) <= 78 for line in lines)
-    assert lines[1].startswith("accuracy by draft position 0.61 0.50") and lines[1].endswith(" ...")
+    assert lines[1].startswith("accuracy by draft position  0.61 0.50") and lines[1].endswith(" ...")
     assert "acceptance per training block 1.83" in lines
