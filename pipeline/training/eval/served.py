@@ -94,6 +94,8 @@ def _sglang_decode(config: RunConfig, ctx: StageContext, work: list[Work], draft
     serve = config.serve
     if serve is None or config.target is None:  # checked when the run file was read
         raise ValueError("no [serve] or [target] table")
+    # the export's config.json read once: how it drafts (a chain, or one block)
+    method, k = drafting(draft / "config.json", config.eval.draft_tokens) if draft else ("eagle3", config.eval.draft_tokens)
     launch = SglangLaunch(
         python=sglang_python(serve.python),
         model=serve.model or config.target.model,
@@ -102,8 +104,8 @@ def _sglang_decode(config: RunConfig, ctx: StageContext, work: list[Work], draft
         extra_args=serve.extra_args,
         env={key: str(value) for key, value in serve.env.items()},
         draft=draft,
-        draft_tokens=drafting(draft / "config.json", config.eval.draft_tokens)[1] if draft else config.eval.draft_tokens,
-        block=draft is not None and drafting(draft / "config.json", 0)[0] == "dflash",
+        draft_tokens=k,
+        block=method == "dflash",
         cpus=parse_cpu_list(serve.cpus),
     )
     name = "sglang-eval-speculative" if draft else "sglang-eval-plain"
